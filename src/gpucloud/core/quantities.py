@@ -1,0 +1,62 @@
+"""Parsing and formatting of resource quantities (memory ``16Gi``, CPU ``500m`` or ``2``)."""
+
+from __future__ import annotations
+
+import re
+
+from gpucloud.core.errors import InvalidInput
+
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?|[kmgtp]|B)?\s*$")
+_MEMORY_UNITS: dict[str, int] = {
+    "": 1, "B": 1,
+    "K": 1000, "k": 1000, "M": 1000**2, "m": 1000**2, "G": 1000**3, "g": 1000**3,
+    "T": 1000**4, "t": 1000**4, "P": 1000**5, "p": 1000**5,
+    "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5,
+}
+_CPU = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(m)?\s*$")
+
+
+def parse_memory(field: str, value: str | int) -> int:
+    """Bytes in a memory quantity: plain bytes or a K/M/G/T/P suffix (binary with ``i``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise InvalidInput(field, "must not be negative")
+        return value
+    match = _MEMORY.match(str(value))
+    if not match:
+        raise InvalidInput(field, f"{value!r} is not a memory quantity such as 512Mi or 16Gi")
+    number, unit = match.groups()
+    return int(float(number) * _MEMORY_UNITS[unit or ""])
+
+
+def parse_cpu_milli(field: str, value: str | float | int) -> int:
+    """Milli-cores in a CPU quantity: ``2``, ``0.5`` or ``500m``."""
+    if isinstance(value, bool):
+        raise InvalidInput(field, "must be a number of cores")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise InvalidInput(field, "must not be negative")
+        return int(round(value * 1000))
+    match = _CPU.match(value)
+    if not match:
+        raise InvalidInput(field, f"{value!r} is not a CPU quantity such as 2, 0.5 or 500m")
+    number, milli = match.groups()
+    return int(round(float(number) * (1 if milli else 1000)))
+
+
+def format_memory(num_bytes: int) -> str:
+    """The shortest exact binary form of a byte count (``16Gi``), else bytes."""
+    for unit in ("Pi", "Ti", "Gi", "Mi", "Ki"):
+        size = _MEMORY_UNITS[unit]
+        if num_bytes >= size and num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return str(num_bytes)
+
+
+def format_cpu(milli: int) -> str:
+    """Cores as ``2`` or ``0.5``; milli-cores that are not a tenth as ``250m``."""
+    if milli % 1000 == 0:
+        return str(milli // 1000)
+    if milli % 100 == 0:
+        return f"{milli / 1000:g}"
+    return f"{milli}m"
