@@ -22,9 +22,13 @@ class GpuModel:
 
 CATALOG: tuple[GpuModel, ...] = (
     GpuModel("H200-141GB", 143_771, True, ("h200", "nvidia h200", "nvidia h200 141gb hbm3e")),
-    GpuModel("H100-80GB", 81_559, True, ("h100", "nvidia h100 80gb hbm3", "h100-sxm", "nvidia h100")),
+    GpuModel(
+        "H100-80GB", 81_559, True, ("h100", "nvidia h100 80gb hbm3", "h100-sxm", "nvidia h100")
+    ),
     GpuModel("H800-80GB", 81_559, True, ("h800", "nvidia h800")),
-    GpuModel("A100-80GB", 81_920, True, ("a100-80g", "nvidia a100-sxm4-80gb", "nvidia a100 80gb pcie")),
+    GpuModel(
+        "A100-80GB", 81_920, True, ("a100-80g", "nvidia a100-sxm4-80gb", "nvidia a100 80gb pcie")
+    ),
     GpuModel("A100-40GB", 40_960, True, ("a100", "nvidia a100-sxm4-40gb", "nvidia a100-pcie-40gb")),
     GpuModel("L40S", 46_068, False, ("nvidia l40s",)),
     GpuModel("L4", 23_034, False, ("nvidia l4",)),

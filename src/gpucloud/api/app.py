@@ -1,0 +1,68 @@
+"""The FastAPI application: migrations and admin bootstrap at start, controllers in the
+background, the routers, and the error mapping."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from gpucloud import __version__
+from gpucloud.api import errors
+from gpucloud.api.routers import agent, nodes, pods, projects
+from gpucloud.controllers.loops import ControllerRunner
+from gpucloud.core.clock import Clock, SystemClock
+from gpucloud.core.settings import Settings
+from gpucloud.db.migrate import upgrade
+from gpucloud.db.session import Database
+from gpucloud.services.context import ServiceContext
+from gpucloud.services.projects import bootstrap_admin
+
+log = logging.getLogger(__name__)
+
+
+def prepare(settings: Settings, clock: Clock | None = None) -> tuple[ServiceContext, str | None]:
+    """Open the database, migrate it, create the admin project; returns a new admin key
+    when one was just written to ``admin.key`` (to print once)."""
+    settings.home.mkdir(parents=True, exist_ok=True)
+    db = Database(settings.database_url)
+    upgrade(db.engine)
+    ctx = ServiceContext(db=db, clock=clock or SystemClock(), settings=settings)
+    return ctx, bootstrap_admin(ctx)
+
+
+def create_app(settings: Settings | None = None, clock: Clock | None = None,
+               run_controllers: bool = True) -> FastAPI:
+    """The server app. Tests pass a manual clock and drive the controllers themselves."""
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx, new_key = prepare(settings, clock)
+        if new_key:
+            print(f"gpucloud: admin API key (shown once): {new_key}", flush=True)
+            print(f"gpucloud: also saved to {settings.home / 'admin.key'}", flush=True)
+        app.state.ctx = ctx
+        runner = ControllerRunner(ctx) if run_controllers else None
+        app.state.controllers = runner
+        if runner:
+            runner.start()
+        try:
+            yield
+        finally:
+            if runner:
+                runner.stop()
+            ctx.db.dispose()
+
+    app = FastAPI(title="gpucloud", version=__version__, lifespan=lifespan)
+    errors.install(app)
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    for module in (projects, nodes, agent, pods):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,76 @@
+"""/v1/agent: the node agent protocol (register, lease, assignments, status, logs)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from gpucloud.api.deps import Ctx, NodeId
+from gpucloud.core.models import (
+    AgentLogChunkRequest,
+    AgentPodStatusRequest,
+    AssignmentsOut,
+    LeaseRequest,
+    LeaseResponse,
+    NodeRegisterRequest,
+    NodeRegisterResponse,
+)
+from gpucloud.core.phases import PodPhase
+from gpucloud.services import agent, nodes
+
+router = APIRouter(prefix="/v1/agent", tags=["agent"])
+POLL_SECONDS = 0.25
+
+
+def _wake(request: Request) -> None:
+    runner = getattr(request.app.state, "controllers", None)
+    if runner is not None:
+        runner.wake()
+
+
+@router.post("/register", status_code=201)
+def register(body: NodeRegisterRequest, ctx: Ctx, request: Request) -> NodeRegisterResponse:
+    response = nodes.register_node(ctx, body)
+    _wake(request)
+    return response
+
+
+@router.post("/lease")
+def lease(body: LeaseRequest, ctx: Ctx, node_id: NodeId) -> LeaseResponse:
+    return nodes.renew_lease(ctx, node_id, body.fencing_token)
+
+
+@router.get("/assignments")
+async def assignments(ctx: Ctx, node_id: NodeId,
+                      wait: float = Query(default=0, ge=0, le=60),
+                      revision: int | None = Query(default=None)) -> AssignmentsOut:
+    """Long poll: returns once the node's revision differs from ``revision``, or at ``wait``.
+
+    The revision is a single integer column, so each check is one cheap query; it works
+    the same across several server replicas.
+    """
+    deadline = time.monotonic() + wait
+    while revision is not None and time.monotonic() < deadline:
+        current = await run_in_threadpool(agent.assignments_revision, ctx, node_id)
+        if current != revision:
+            break
+        await asyncio.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+    return await run_in_threadpool(agent.assignments, ctx, node_id)
+
+
+@router.post("/pods/{pod_id}/status")
+def pod_status(pod_id: str, body: AgentPodStatusRequest, ctx: Ctx, node_id: NodeId,
+               request: Request) -> dict[str, str]:
+    phase = agent.report_status(ctx, node_id, pod_id, body)
+    if phase is PodPhase.PENDING:
+        _wake(request)
+    return {"phase": phase.value}
+
+
+@router.post("/pods/{pod_id}/logs")
+def pod_logs(pod_id: str, body: AgentLogChunkRequest, ctx: Ctx,
+             node_id: NodeId) -> dict[str, int]:
+    return {"next_offset": agent.append_log(ctx, node_id, pod_id, body)}

@@ -1,0 +1,70 @@
+"""/v1/pods: pods of the caller's project."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request, Response
+
+from gpucloud.api.deps import Caller, Ctx
+from gpucloud.core.models import PodCreateRequest, PodEventOut, PodLogsOut, PodOut, PodWhyOut
+from gpucloud.core.phases import PodPhase
+from gpucloud.services import pods
+
+router = APIRouter(prefix="/v1/pods", tags=["pods"])
+
+
+def _wake_scheduler(request: Request) -> None:
+    runner = getattr(request.app.state, "controllers", None)
+    if runner is not None:
+        runner.wake()
+
+
+@router.post("", status_code=201)
+def create_pod(body: PodCreateRequest, ctx: Ctx, caller: Caller, request: Request) -> PodOut:
+    pod = pods.create_pod(ctx, caller, body)
+    _wake_scheduler(request)
+    return pod
+
+
+@router.get("")
+def list_pods(ctx: Ctx, caller: Caller, phase: PodPhase | None = None,
+              limit: int = Query(default=1000, ge=1, le=10000)) -> list[PodOut]:
+    return pods.list_pods(ctx, caller, phase, limit)
+
+
+@router.get("/{ref}")
+def get_pod(ref: str, ctx: Ctx, caller: Caller) -> PodOut:
+    return pods.get_pod(ctx, caller, ref)
+
+
+@router.get("/{ref}/events")
+def pod_events(ref: str, ctx: Ctx, caller: Caller) -> list[PodEventOut]:
+    return pods.list_events(ctx, caller, ref)
+
+
+@router.get("/{ref}/why")
+def pod_why(ref: str, ctx: Ctx, caller: Caller) -> PodWhyOut:
+    return pods.why_pod(ctx, caller, ref)
+
+
+@router.get("/{ref}/logs")
+def pod_logs(ref: str, ctx: Ctx, caller: Caller, offset: int = Query(default=0, ge=0),
+             tail: int | None = Query(default=None, ge=0)) -> PodLogsOut:
+    return pods.read_logs(ctx, caller, ref, offset, tail)
+
+
+@router.post("/{ref}/stop")
+def stop_pod(ref: str, ctx: Ctx, caller: Caller) -> PodOut:
+    return pods.stop_pod(ctx, caller, ref)
+
+
+@router.post("/{ref}/start")
+def start_pod(ref: str, ctx: Ctx, caller: Caller, request: Request) -> PodOut:
+    pod = pods.start_pod(ctx, caller, ref)
+    _wake_scheduler(request)
+    return pod
+
+
+@router.delete("/{ref}", status_code=204)
+def delete_pod(ref: str, ctx: Ctx, caller: Caller) -> Response:
+    pods.delete_pod(ctx, caller, ref)
+    return Response(status_code=204)

@@ -1,0 +1,51 @@
+"""The `gpucloud` command: one Typer app per noun, mounted here."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from gpucloud.cli import gpu, node, pod, project, server
+
+app = typer.Typer(
+    help="gpucloud: a self-hosted GPU cloud.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("server")(server.server)
+app.add_typer(server.config_app, name="config")
+app.add_typer(project.project_app, name="project")
+app.add_typer(project.key_app, name="key")
+app.add_typer(node.app, name="node")
+app.add_typer(pod.app, name="pod")
+app.add_typer(gpu.app, name="gpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: usage errors become one line (``error: …``) and exit status 2."""
+    try:
+        result = app(args=argv, prog_name="gpucloud", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except click.exceptions.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    except click.UsageError as error:
+        print(f"error: {error.format_message()}", file=sys.stderr)
+        return 2
+    except click.ClickException as error:
+        print(f"error: {error.format_message()}", file=sys.stderr)
+        return error.exit_code
+    return result if isinstance(result, int) else 0
+
+
+def run() -> None:
+    """The console script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

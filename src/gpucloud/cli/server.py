@@ -1,0 +1,43 @@
+"""`gpucloud server` and `gpucloud config`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from gpucloud.api.app import create_app
+from gpucloud.cli.common import CliError, cli_errors, config_path, save_config
+from gpucloud.core.settings import Settings
+
+
+def server(
+    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on", min=1, max=65535)] = 8080,
+    access_log: Annotated[bool, typer.Option(help="Log every request")] = False,
+) -> None:
+    """Run the control plane (API, scheduler, node leases)."""
+    with cli_errors():
+        settings = Settings.from_env()
+        typer.echo(f"gpucloud server on http://{host}:{port} (state in {settings.home}, "
+                   f"database {settings.database_url.split('://')[0]})")
+        uvicorn.run(create_app(settings), host=host, port=port, access_log=access_log,
+                    log_level="info" if access_log else "warning")
+
+
+config_app = typer.Typer(help="CLI configuration.", no_args_is_help=True)
+
+
+@config_app.command("set")
+def config_set(
+    url: Annotated[str | None, typer.Option(help="Server URL")] = None,
+    api_key: Annotated[str | None, typer.Option(help="API key")] = None,
+) -> None:
+    """Save the server URL and/or API key the CLI uses."""
+    with cli_errors():
+        values = {k: v for k, v in {"url": url, "api_key": api_key}.items() if v}
+        if not values:
+            raise CliError("give --url and/or --api-key")
+        save_config(values)
+        typer.echo(f"saved to {config_path()}")

@@ -1,0 +1,1 @@
+"""Leased background loops of the server: scheduling and node leases."""

@@ -1,0 +1,83 @@
+"""Background controllers. Each ``tick()`` is one step, callable directly from tests with a
+manual clock; ``ControllerRunner`` drives them on a thread in the server process."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+from sqlalchemy.exc import OperationalError
+
+from gpucloud.scheduler import Scheduler
+from gpucloud.services import leadership, nodes, scheduling
+from gpucloud.services.context import ServiceContext
+
+log = logging.getLogger(__name__)
+LEADER_TTL_SECONDS = 15.0
+
+
+class SchedulingController:
+    name = "scheduler"
+
+    def __init__(self, ctx: ServiceContext, scheduler: Scheduler | None = None) -> None:
+        self.ctx = ctx
+        self.scheduler = scheduler or Scheduler(ctx.settings.scheduler_profile)
+
+    def tick(self) -> scheduling.PassResult:
+        return scheduling.run_pass(self.ctx, self.scheduler)
+
+
+class NodeLeaseController:
+    name = "node-leases"
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    def tick(self) -> list[str]:
+        lost = nodes.expire_leases(self.ctx)
+        for name in lost:
+            log.warning("node %s lost: its lease expired", name)
+        return lost
+
+
+class ControllerRunner:
+    """Runs the controllers on one thread while this replica holds their leases."""
+
+    def __init__(self, ctx: ServiceContext, interval_seconds: float | None = None) -> None:
+        self.ctx = ctx
+        self.holder = uuid.uuid4().hex
+        self.interval = interval_seconds or ctx.settings.scheduler_interval_seconds
+        self.scheduling = SchedulingController(ctx)
+        self.leases = NodeLeaseController(ctx)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="controllers", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Run the next pass now (a pod was created or a node changed)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def run_once(self) -> None:
+        if leadership.acquire(self.ctx, "controllers", self.holder, LEADER_TTL_SECONDS):
+            self.leases.tick()
+            self.scheduling.tick()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except OperationalError as error:
+                log.warning("controller pass failed on the database, retrying: %s", error)
+            except Exception:  # noqa: BLE001 - a bug in one pass must not stop every loop
+                log.exception("controller pass failed")
+            self._wake.wait(self.interval)
+            self._wake.clear()

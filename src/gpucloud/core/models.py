@@ -1,0 +1,377 @@
+"""Wire types of the REST API, shared by the server (api/) and the SDK (client/).
+
+Versioned pydantic JSON; new fields always get a default so old peers keep working.
+Request bodies end in ``Request``; they forbid unknown fields so a typo is a 422.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpucloud.core.errors import InvalidInput
+from gpucloud.core.gpu_models import canonical_name, is_well_formed
+from gpucloud.core.image_ref import parse_image_reference
+from gpucloud.core.names import check_dns_label
+from gpucloud.core.phases import NodeStatus, PodPhase, RestartPolicy
+from gpucloud.core.quantities import parse_cpu_milli, parse_memory
+
+MAX_GPUS_PER_POD = 64
+MAX_CPU_MILLI = 1024 * 1000
+MAX_MEMORY_BYTES = 64 * 1024**4
+MAX_COMMAND_ARGS = 1024
+MAX_ENV_VARS = 512
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PORT = re.compile(r"^(\d{1,5})(?:/(http|tcp|udp))?$")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _reraise(field: str, error: InvalidInput) -> ValueError:
+    """Turn InvalidInput into the ValueError pydantic reports against ``field``."""
+    return ValueError(error.message.removeprefix(f"{field}: "))
+
+
+class PodCreateRequest(_Request):
+    name: str
+    image: str
+    command: list[str] = Field(default_factory=list)
+    gpus: float = 0
+    gpu_type: str | None = None
+    cpu: float | str = 1
+    memory: int | str = "1Gi"
+    env: dict[str, str] = Field(default_factory=dict)
+    ports: list[str] = Field(default_factory=list)
+    restart: RestartPolicy = RestartPolicy.NEVER
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        try:
+            return check_dns_label("name", value)
+        except InvalidInput as error:
+            raise _reraise("name", error) from None
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str) -> str:
+        try:
+            parse_image_reference(value)
+        except InvalidInput as error:
+            raise _reraise("image", error) from None
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str]) -> list[str]:
+        if len(value) > MAX_COMMAND_ARGS:
+            raise ValueError(f"at most {MAX_COMMAND_ARGS} arguments")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must not be negative")
+        if value > MAX_GPUS_PER_POD:
+            raise ValueError(f"must be at most {MAX_GPUS_PER_POD}")
+        if value > 1 and value != int(value):
+            raise ValueError("a fraction of a GPU is allowed only below 1 (e.g. 0.5)")
+        if 0 < value < 1 and round(value * 1000) < 1:
+            raise ValueError("a GPU share must be at least 0.001")
+        return value
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _gpu_type(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not is_well_formed(value):
+            raise ValueError(f"{value!r} is not a GPU model name")
+        return canonical_name(value)
+
+    @field_validator("cpu")
+    @classmethod
+    def _cpu(cls, value: float | str) -> float | str:
+        try:
+            milli = parse_cpu_milli("cpu", value)
+        except InvalidInput as error:
+            raise _reraise("cpu", error) from None
+        if milli > MAX_CPU_MILLI:
+            raise ValueError(f"must be at most {MAX_CPU_MILLI // 1000} cores")
+        return value
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, value: int | str) -> int | str:
+        try:
+            size = parse_memory("memory", value)
+        except InvalidInput as error:
+            raise _reraise("memory", error) from None
+        if size > MAX_MEMORY_BYTES:
+            raise ValueError("must be at most 64Ti")
+        if size < 4 * 1024**2:
+            raise ValueError("must be at least 4Mi")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_ENV_VARS:
+            raise ValueError(f"at most {MAX_ENV_VARS} variables")
+        for key in value:
+            if not _ENV_KEY.match(key):
+                raise ValueError(f"{key!r} is not a valid variable name")
+        return value
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, value: list[str]) -> list[str]:
+        normalized = []
+        for port in value:
+            match = _PORT.match(str(port))
+            if not match or not 1 <= int(match.group(1)) <= 65535:
+                raise ValueError(f"{port!r} is not PORT[/http|tcp|udp] with 1 <= PORT <= 65535")
+            normalized.append(f"{int(match.group(1))}/{match.group(2) or 'tcp'}")
+        return normalized
+
+    @property
+    def cpu_milli(self) -> int:
+        return parse_cpu_milli("cpu", self.cpu)
+
+    @property
+    def memory_bytes(self) -> int:
+        return parse_memory("memory", self.memory)
+
+    @property
+    def whole_gpus(self) -> int:
+        return int(self.gpus) if self.gpus >= 1 else 0
+
+    @property
+    def gpu_milli(self) -> int:
+        """The share of one GPU, in milli-GPU, for a fractional request; 0 otherwise."""
+        return round(self.gpus * 1000) if 0 < self.gpus < 1 else 0
+
+
+class PodOut(BaseModel):
+    id: str
+    name: str
+    project: str
+    phase: PodPhase
+    reason: str | None = None
+    message: str | None = None
+    node: str | None = None
+    gpu_uuids: list[str] = Field(default_factory=list)
+    exit_code: int | None = None
+    restart_count: int = 0
+    desired_state: str = "running"
+    image: str
+    command: list[str] = Field(default_factory=list)
+    gpus: float = 0
+    gpu_type: str | None = None
+    cpu: float = 1
+    memory: str = "1Gi"
+    memory_bytes: int = 0
+    env: dict[str, str] = Field(default_factory=dict)
+    ports: list[str] = Field(default_factory=list)
+    restart: RestartPolicy = RestartPolicy.NEVER
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class PodEventOut(BaseModel):
+    time: datetime
+    from_phase: PodPhase | None
+    to_phase: PodPhase | None
+    reason: str
+    message: str | None = None
+
+
+class PodWhyOut(BaseModel):
+    pod: str
+    phase: PodPhase
+    summary: str
+    reasons: dict[str, int] = Field(default_factory=dict)
+
+
+class PodLogsOut(BaseModel):
+    text: str
+    offset: int
+    next_offset: int
+    finished: bool
+
+
+class GpuInventory(_Request):
+    uuid: str = Field(min_length=1, max_length=128)
+    model: str = Field(min_length=1, max_length=64)
+    memory_mib: int = Field(ge=0, le=10_000_000)
+    numa_node: int = Field(default=0, ge=0, le=1024)
+    nvlink_peers: list[int] = Field(default_factory=list)
+    index: int | None = Field(default=None, ge=0, le=1024)
+    pci_bus_id: str | None = None
+    mig_mode: bool = False
+
+
+class NodeRegisterRequest(_Request):
+    join_token: str
+    name: str
+    cpu_cores: float = Field(gt=0, le=100_000)
+    memory_bytes: int = Field(gt=0)
+    gpus: list[GpuInventory] = Field(default_factory=list, max_length=1024)
+    labels: dict[str, str] = Field(default_factory=dict)
+    address: str | None = None
+    provider: str | None = None
+    agent_version: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        try:
+            return check_dns_label("name", value)
+        except InvalidInput as error:
+            raise _reraise("name", error) from None
+
+
+class NodeRegisterResponse(BaseModel):
+    node_id: str
+    name: str
+    node_token: str
+    fencing_token: int
+    lease_ttl_seconds: float
+
+
+class LeaseRequest(_Request):
+    fencing_token: int | None = None
+
+
+class LeaseResponse(BaseModel):
+    fencing_token: int
+    lease_expires_at: datetime
+    lease_ttl_seconds: float
+    new_grant: bool
+
+
+class AgentPodStatusRequest(_Request):
+    fencing_token: int
+    phase: PodPhase
+    exit_code: int | None = None
+    reason: str | None = Field(default=None, max_length=200)
+    message: str | None = Field(default=None, max_length=4000)
+    log_tail: str | None = Field(default=None, max_length=65536)
+    attempt: int | None = None
+
+
+class AgentLogChunkRequest(_Request):
+    fencing_token: int
+    offset: int = Field(ge=0)
+    data: str = Field(max_length=1024 * 1024)
+
+
+class AssignmentOut(BaseModel):
+    pod_id: str
+    name: str
+    project: str
+    attempt: int
+    desired_state: str
+    phase: PodPhase
+    image: str
+    command: list[str]
+    env: dict[str, str]
+    ports: list[str]
+    cpu_milli: int
+    memory_bytes: int
+    gpu_uuids: list[str]
+    gpu_milli: int = 0
+
+
+class AssignmentsOut(BaseModel):
+    revision: int
+    fencing_token: int
+    pods: list[AssignmentOut]
+
+
+class NodeOut(BaseModel):
+    id: str
+    name: str
+    status: NodeStatus
+    cordoned: bool
+    cpu_cores: float
+    memory_bytes: int
+    gpus: list[GpuInventory]
+    gpus_allocated: int = 0
+    labels: dict[str, str] = Field(default_factory=dict)
+    address: str | None = None
+    provider: str | None = None
+    fencing_token: int
+    lease_expires_at: datetime | None = None
+    registered_at: datetime
+
+
+class ProjectCreateRequest(_Request):
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        try:
+            return check_dns_label("name", value)
+        except InvalidInput as error:
+            raise _reraise("name", error) from None
+
+
+class ProjectOut(BaseModel):
+    id: str
+    name: str
+    is_admin: bool
+    created_at: datetime
+
+
+class KeyCreateRequest(_Request):
+    name: str = "default"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        try:
+            return check_dns_label("name", value)
+        except InvalidInput as error:
+            raise _reraise("name", error) from None
+
+
+class KeyOut(BaseModel):
+    id: str
+    name: str
+    project: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+
+class KeyCreatedOut(KeyOut):
+    key: str
+
+
+class ProjectCreatedOut(BaseModel):
+    project: ProjectOut
+    key: KeyCreatedOut
+
+
+class JoinTokenOut(BaseModel):
+    token: str
+    expires_at: datetime
+
+
+class ErrorOut(BaseModel):
+    detail: str
+    field: str | None = None
+
+
+def jsonable(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

@@ -1,0 +1,36 @@
+"""Server settings from the environment, with embedded defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def gpucloud_home() -> Path:
+    return Path(os.environ.get("GPUCLOUD_HOME") or Path.home() / ".gpucloud")
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    admin_key: str | None = None
+    lease_ttl_seconds: float = 10.0
+    join_token_ttl_seconds: float = 24 * 3600.0
+    scheduler_interval_seconds: float = 0.2
+    scheduler_profile: str = "default"
+    restart_backoff_seconds: float = 5.0
+    restart_backoff_max_seconds: float = 300.0
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        home = gpucloud_home()
+        url = os.environ.get("GPUCLOUD_DATABASE_URL") or f"sqlite:///{home / 'gpucloud.db'}"
+        return cls(
+            home=home,
+            database_url=url,
+            admin_key=os.environ.get("GPUCLOUD_ADMIN_KEY") or None,
+            lease_ttl_seconds=float(os.environ.get("GPUCLOUD_LEASE_TTL", "10")),
+            scheduler_profile=os.environ.get("GPUCLOUD_SCHEDULER_PROFILE", "default"),
+        )

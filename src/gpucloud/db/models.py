@@ -1,0 +1,177 @@
+"""SQLAlchemy models. One schema for SQLite and PostgreSQL; changed only through migrations.
+
+Rows that background loops work on carry ``version`` (for guarded ``UPDATE … WHERE
+version=?``) and, for pods, ``lock_token``/``lock_expires_at`` (leased work).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on both databases (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, _dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetimes are not stored; use UTC-aware datetimes")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, _dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: dict[Any, Any] = {datetime: UTCDateTime, dict[str, Any]: JSON}
+
+
+class ProjectModel(Base):
+    __tablename__ = "projects"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime]
+
+
+class ApiKeyModel(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class JoinTokenModel(Base):
+    __tablename__ = "join_tokens"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+
+
+class NodeModel(Base):
+    __tablename__ = "nodes"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16))
+    cordoned: Mapped[bool] = mapped_column(Boolean, default=False)
+    cpu_milli: Mapped[int] = mapped_column(BigInteger)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    gpus: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    labels: Mapped[dict[str, str]] = mapped_column(JSON)
+    address: Mapped[str | None] = mapped_column(String(255))
+    provider: Mapped[str | None] = mapped_column(String(64))
+    fencing_token: Mapped[int] = mapped_column(BigInteger, default=0)
+    lease_expires_at: Mapped[datetime | None]
+    registered_at: Mapped[datetime]
+    assignments_revision: Mapped[int] = mapped_column(BigInteger, default=0)
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class PodModel(Base):
+    __tablename__ = "pods"
+    __table_args__ = (
+        Index(
+            "uq_pods_project_name_live",
+            "project_id",
+            "name",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+        Index("ix_pods_phase_created", "phase", "created_at"),
+        Index("ix_pods_node_phase", "node_id", "phase"),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    phase: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(200))
+    message: Mapped[str | None] = mapped_column(Text)
+    desired_state: Mapped[str] = mapped_column(String(16), default="running")
+    image: Mapped[str] = mapped_column(String(255))
+    command: Mapped[list[str]] = mapped_column(JSON)
+    env: Mapped[dict[str, str]] = mapped_column(JSON)
+    ports: Mapped[list[str]] = mapped_column(JSON)
+    gpus: Mapped[float] = mapped_column(Float, default=0)
+    gpu_type: Mapped[str | None] = mapped_column(String(64))
+    cpu_milli: Mapped[int] = mapped_column(BigInteger)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    restart_policy: Mapped[str] = mapped_column(String(16))
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
+    gpu_uuids: Mapped[list[str]] = mapped_column(JSON)
+    gpu_milli: Mapped[dict[str, int]] = mapped_column(JSON)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    restart_count: Mapped[int] = mapped_column(Integer, default=0)
+    not_before: Mapped[datetime | None]
+    unschedulable: Mapped[dict[str, int] | None] = mapped_column(JSON)
+    log_tail: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    deleted_at: Mapped[datetime | None]
+    lock_token: Mapped[str | None] = mapped_column(String(32))
+    lock_expires_at: Mapped[datetime | None]
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class PodEventModel(Base):
+    __tablename__ = "pod_events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    pod_id: Mapped[str] = mapped_column(ForeignKey("pods.id", ondelete="CASCADE"), index=True)
+    time: Mapped[datetime]
+    from_phase: Mapped[str | None] = mapped_column(String(16))
+    to_phase: Mapped[str | None] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(String(200))
+    message: Mapped[str | None] = mapped_column(Text)
+
+
+class PodLogChunkModel(Base):
+    __tablename__ = "pod_log_chunks"
+    __table_args__ = (Index("uq_pod_log_chunks", "pod_id", "attempt", "offset", unique=True),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    pod_id: Mapped[str] = mapped_column(ForeignKey("pods.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[str] = mapped_column(Text)
+
+
+class ControllerLeaseModel(Base):
+    """Which server replica runs a given controller loop, and until when."""
+
+    __tablename__ = "controller_leases"
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[datetime]
+    token: Mapped[int] = mapped_column(BigInteger, default=0)

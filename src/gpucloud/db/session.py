@@ -1,0 +1,71 @@
+"""Engine and session factory for SQLite (embedded default) and PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import CursorResult, Engine, Executable, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+
+def default_database_url(home: Path) -> str:
+    return f"sqlite:///{home / 'gpucloud.db'}"
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()
+
+
+def _sqlite_begin_immediate(connection: Any) -> None:
+    """Take SQLite's write lock at BEGIN, so a read-then-write transaction never fails
+    half-way with SQLITE_BUSY; it waits for the lock (busy_timeout) instead."""
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(url: str) -> Engine:
+    """An engine tuned for the backend: WAL and a busy timeout on SQLite, a pool on PG."""
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 10}, pool_size=8
+        )
+        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin_immediate)
+        return engine
+    return create_engine(url, pool_size=16, max_overflow=16, pool_pre_ping=True)
+
+
+def rows_changed(session: Session, statement: Executable) -> int:
+    """Run a guarded UPDATE/DELETE and return how many rows it changed (0 = stale)."""
+    result = session.execute(statement)
+    assert isinstance(result, CursorResult)
+    return int(result.rowcount)
+
+
+class Database:
+    """An engine and its session factory; ``transaction()`` commits or rolls back."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        with self._sessions() as session, session.begin():
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,1 @@
+"""Business rules; the only writers of the database. One module per aggregate."""

@@ -1,0 +1,168 @@
+"""What node agents write and read: assignments, pod status, log chunks.
+
+Every write carries the node's fencing token; a stale one is refused (409) before anything
+changes, so an agent that lost its lease cannot overwrite what a newer grant decided.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpucloud.core.errors import Conflict, NotFound
+from gpucloud.core.models import (
+    AgentLogChunkRequest,
+    AgentPodStatusRequest,
+    AssignmentOut,
+    AssignmentsOut,
+)
+from gpucloud.core.phases import (
+    ACTIVE_PHASES,
+    TERMINAL_PHASES,
+    PodPhase,
+    RestartPolicy,
+    should_restart,
+)
+from gpucloud.db.models import NodeModel, PodLogChunkModel, PodModel, ProjectModel
+from gpucloud.services.context import ServiceContext
+from gpucloud.services.events import transition
+from gpucloud.services.nodes import check_fencing
+from gpucloud.services.pods import bump_assignments, requeue
+
+_ACTIVE = [p.value for p in ACTIVE_PHASES]
+
+
+def assignments_revision(ctx: ServiceContext, node_id: str) -> int:
+    with ctx.db.transaction() as session:
+        return session.get_one(NodeModel, node_id).assignments_revision
+
+
+def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
+    """The pods the node must run (or stop): live pods bound to it in an active phase."""
+    with ctx.db.transaction() as session:
+        node = session.get_one(NodeModel, node_id)
+        rows = session.execute(
+            select(PodModel, ProjectModel.name)
+            .join(ProjectModel, ProjectModel.id == PodModel.project_id)
+            .where(PodModel.node_id == node_id, PodModel.phase.in_(_ACTIVE),
+                   PodModel.deleted_at.is_(None))
+            .order_by(PodModel.created_at)
+        ).all()
+        pods = [_assignment(pod, project) for pod, project in rows]
+        return AssignmentsOut(revision=node.assignments_revision,
+                              fencing_token=node.fencing_token, pods=pods)
+
+
+def _assignment(pod: PodModel, project: str) -> AssignmentOut:
+    return AssignmentOut(
+        pod_id=pod.id, name=pod.name, project=project, attempt=pod.attempt,
+        desired_state=pod.desired_state, phase=PodPhase(pod.phase), image=pod.image,
+        command=pod.command, env=pod.env, ports=pod.ports, cpu_milli=pod.cpu_milli,
+        memory_bytes=pod.memory_bytes, gpu_uuids=pod.gpu_uuids,
+        gpu_milli=round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0,
+    )
+
+
+def _bound_pod(session: Session, node: NodeModel, pod_id: str) -> PodModel:
+    pod = session.get(PodModel, pod_id)
+    if pod is None:
+        raise NotFound(f"pod {pod_id!r} not found")
+    if pod.node_id != node.id:
+        raise Conflict(f"pod {pod_id!r} is not bound to node {node.name!r}")
+    return pod
+
+
+def report_status(ctx: ServiceContext, node_id: str, pod_id: str,
+                  report: AgentPodStatusRequest) -> PodPhase:
+    """Apply an agent's report of a pod's phase; returns the pod's phase afterwards."""
+    now = ctx.clock.now()
+    with ctx.db.transaction() as session:
+        node = session.get_one(NodeModel, node_id, with_for_update=True)
+        check_fencing(node, report.fencing_token)
+        pod = _bound_pod(session, node, pod_id)
+        if report.attempt is not None and report.attempt != pod.attempt:
+            raise Conflict(f"report for attempt {report.attempt}; the pod is on {pod.attempt}")
+        if report.log_tail is not None:
+            pod.log_tail = report.log_tail
+        current = PodPhase(pod.phase)
+        if report.phase is current:
+            _update_reason(pod, report, now)
+            return current
+        if current not in ACTIVE_PHASES:
+            raise Conflict(f"pod {pod.name!r} is {current}; the agent's report is too late")
+        _apply_phase(ctx, session, pod, report, now)
+        return PodPhase(pod.phase)
+
+
+def _update_reason(pod: PodModel, report: AgentPodStatusRequest, now: datetime) -> None:
+    if report.reason and (report.reason, report.message) != (pod.reason, pod.message):
+        pod.reason, pod.message, pod.updated_at = report.reason, report.message, now
+
+
+def _apply_phase(ctx: ServiceContext, session: Session, pod: PodModel,
+                 report: AgentPodStatusRequest, now: datetime) -> None:
+    target = report.phase
+    reason = report.reason or _default_reason(target, report.exit_code)
+    transition(session, pod, target, now, reason, report.message)
+    if target is PodPhase.RUNNING:
+        pod.started_at = now
+    if target in TERMINAL_PHASES:
+        pod.exit_code = report.exit_code
+        pod.finished_at = now
+        _maybe_restart(ctx, session, pod, target, now)
+
+
+def _default_reason(phase: PodPhase, exit_code: int | None) -> str:
+    if phase is PodPhase.FAILED:
+        return f"Error (exit code {exit_code})" if exit_code is not None else "Error"
+    return {PodPhase.SUCCEEDED: "Completed", PodPhase.RUNNING: "Started",
+            PodPhase.PULLING: "Pulling", PodPhase.STOPPED: "Stopped"}.get(phase, phase.value)
+
+
+def _maybe_restart(ctx: ServiceContext, session: Session, pod: PodModel, ended: PodPhase,
+                   now: datetime) -> None:
+    """Restart per policy with exponential back-off; a user's stop is never undone."""
+    if pod.desired_state != "running" or not should_restart(
+        RestartPolicy(pod.restart_policy), ended
+    ):
+        return
+    delay = min(ctx.settings.restart_backoff_seconds * 2 ** pod.restart_count,
+                ctx.settings.restart_backoff_max_seconds)
+    exit_code = pod.exit_code
+    node_id = pod.node_id
+    requeue(session, pod, now, "Restarting",
+            f"restart policy {pod.restart_policy}; exit code {exit_code}; back-off {delay:g}s")
+    pod.restart_count += 1
+    pod.not_before = now + timedelta(seconds=delay)
+    bump_assignments(session, node_id)
+
+
+def append_log(ctx: ServiceContext, node_id: str, pod_id: str,
+               chunk: AgentLogChunkRequest) -> int:
+    """Store a chunk of the pod's output at byte ``offset``; returns the next offset expected.
+
+    Chunks must arrive in order; one at the wrong offset stores nothing and the caller
+    resends from the returned offset (idempotent across agent restarts).
+    """
+    with ctx.db.transaction() as session:
+        node = session.get_one(NodeModel, node_id)
+        check_fencing(node, chunk.fencing_token)
+        pod = _bound_pod(session, node, pod_id)
+        end = _log_end(session, pod)
+        if chunk.offset == end and chunk.data:
+            session.add(PodLogChunkModel(pod_id=pod.id, attempt=pod.attempt, offset=end,
+                                         data=chunk.data))
+            end += len(chunk.data.encode())
+        return end
+
+
+def _log_end(session: Session, pod: PodModel) -> int:
+    last = session.execute(
+        select(PodLogChunkModel.offset, PodLogChunkModel.data)
+        .where(PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt == pod.attempt)
+        .order_by(PodLogChunkModel.offset.desc())
+        .limit(1)
+    ).first()
+    return 0 if last is None else int(last[0]) + len(last[1].encode())

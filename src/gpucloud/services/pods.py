@@ -1,0 +1,235 @@
+"""Pods: user intent (create, stop, start, delete) and what the user reads back."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from gpucloud.core.errors import Conflict, InvalidInput, NotFound
+from gpucloud.core.gpu_models import lookup
+from gpucloud.core.models import (
+    PodCreateRequest,
+    PodEventOut,
+    PodLogsOut,
+    PodOut,
+    PodWhyOut,
+)
+from gpucloud.core.phases import ACTIVE_PHASES, TERMINAL_PHASES, PodPhase, RestartPolicy
+from gpucloud.core.quantities import format_memory
+from gpucloud.db.models import NodeModel, PodEventModel, PodLogChunkModel, PodModel
+from gpucloud.scheduler import Explanation
+from gpucloud.services.context import ServiceContext, new_id
+from gpucloud.services.events import record_event, transition
+from gpucloud.services.projects import Principal
+
+_ACTIVE = [p.value for p in ACTIVE_PHASES]
+
+
+def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
+    return PodOut(
+        id=pod.id, name=pod.name, project=project_name, phase=PodPhase(pod.phase),
+        reason=pod.reason, message=pod.message, node=node_name, gpu_uuids=pod.gpu_uuids,
+        exit_code=pod.exit_code, restart_count=pod.restart_count,
+        desired_state=pod.desired_state, image=pod.image, command=pod.command, gpus=pod.gpus,
+        gpu_type=pod.gpu_type, cpu=pod.cpu_milli / 1000, memory=format_memory(pod.memory_bytes),
+        memory_bytes=pod.memory_bytes, env=pod.env, ports=pod.ports,
+        restart=RestartPolicy(pod.restart_policy), created_at=pod.created_at,
+        updated_at=pod.updated_at, started_at=pod.started_at, finished_at=pod.finished_at,
+    )
+
+
+def _check_gpu_type(session: Session, gpu_type: str | None) -> None:
+    """A model must be in the catalog or on some registered node."""
+    if gpu_type is None or lookup(gpu_type):
+        return
+    for (gpus,) in session.execute(select(NodeModel.gpus)):
+        if any(gpu.get("model") == gpu_type for gpu in gpus):
+            return
+    raise InvalidInput("gpu_type", f"unknown GPU model {gpu_type!r}")
+
+
+def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest) -> PodOut:
+    """Record the intent (a Pending pod and its first event) in one transaction."""
+    now = ctx.clock.now()
+    pod = PodModel(
+        id=new_id(), project_id=caller.project_id, name=request.name,
+        phase=PodPhase.PENDING.value, reason="Created", message=None, desired_state="running",
+        image=request.image, command=request.command, env=request.env, ports=request.ports,
+        gpus=request.gpus, gpu_type=request.gpu_type, cpu_milli=request.cpu_milli,
+        memory_bytes=request.memory_bytes, restart_policy=request.restart.value, node_id=None,
+        gpu_uuids=[], gpu_milli={}, exit_code=None, attempt=0, restart_count=0,
+        created_at=now, updated_at=now, version=0,
+    )
+    try:
+        with ctx.db.transaction() as session:
+            _check_gpu_type(session, request.gpu_type)
+            session.add(pod)
+            session.flush()
+            record_event(session, pod, now, "Created", None, None, PodPhase.PENDING.value)
+    except IntegrityError:
+        raise InvalidInput(
+            "name", f"a pod named {request.name!r} already exists in project "
+            f"{caller.project_name!r}"
+        ) from None
+    return pod_out(pod, caller.project_name, None)
+
+
+def _find(session: Session, caller: Principal, ref: str) -> PodModel:
+    """A live pod of the caller's project by id or name; NotFound hides other projects."""
+    pod = session.scalar(
+        select(PodModel).where(
+            PodModel.project_id == caller.project_id,
+            PodModel.deleted_at.is_(None),
+            (PodModel.id == ref) | (PodModel.name == ref),
+        )
+    )
+    if pod is None:
+        raise NotFound(f"pod {ref!r} not found")
+    return pod
+
+
+def _node_name(session: Session, node_id: str | None) -> str | None:
+    if node_id is None:
+        return None
+    return session.scalar(select(NodeModel.name).where(NodeModel.id == node_id))
+
+
+def get_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
+    with ctx.db.transaction() as session:
+        pod = _find(session, caller, ref)
+        return pod_out(pod, caller.project_name, _node_name(session, pod.node_id))
+
+
+def list_pods(ctx: ServiceContext, caller: Principal, phase: PodPhase | None = None,
+              limit: int = 1000) -> list[PodOut]:
+    with ctx.db.transaction() as session:
+        query = (
+            select(PodModel, NodeModel.name)
+            .outerjoin(NodeModel, NodeModel.id == PodModel.node_id)
+            .where(PodModel.project_id == caller.project_id, PodModel.deleted_at.is_(None))
+            .order_by(PodModel.created_at, PodModel.id)
+            .limit(limit)
+        )
+        if phase is not None:
+            query = query.where(PodModel.phase == phase.value)
+        rows = session.execute(query).all()
+        return [pod_out(pod, caller.project_name, node) for pod, node in rows]
+
+
+def list_events(ctx: ServiceContext, caller: Principal, ref: str) -> list[PodEventOut]:
+    with ctx.db.transaction() as session:
+        pod = _find(session, caller, ref)
+        events = session.scalars(
+            select(PodEventModel).where(PodEventModel.pod_id == pod.id).order_by(PodEventModel.id)
+        )
+        return [
+            PodEventOut(time=e.time, from_phase=PodPhase(e.from_phase) if e.from_phase else None,
+                        to_phase=PodPhase(e.to_phase) if e.to_phase else None,
+                        reason=e.reason, message=e.message)
+            for e in events
+        ]
+
+
+def bump_assignments(session: Session, node_id: str | None) -> None:
+    """Wake the node's agent: its list of assigned pods changed."""
+    if node_id:
+        session.execute(
+            update(NodeModel)
+            .where(NodeModel.id == node_id)
+            .values(assignments_revision=NodeModel.assignments_revision + 1)
+        )
+
+
+def stop_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
+    """Stop a pod: at once when nothing runs, else ask its agent (SIGTERM, grace, SIGKILL)."""
+    now = ctx.clock.now()
+    with ctx.db.transaction() as session:
+        pod = _find(session, caller, ref)
+        phase = PodPhase(pod.phase)
+        if phase in {PodPhase.PENDING, PodPhase.LOST}:
+            transition(session, pod, PodPhase.STOPPED, now, "StoppedByUser")
+            pod.desired_state = "stopped"
+            pod.finished_at = now
+        elif phase in ACTIVE_PHASES:
+            if pod.desired_state != "stopped":
+                pod.desired_state = "stopped"
+                pod.version += 1
+                record_event(session, pod, now, "StopRequested", "the node agent stops it")
+                bump_assignments(session, pod.node_id)
+        else:
+            raise Conflict(f"pod {pod.name!r} is not running (phase {phase})")
+        return pod_out(pod, caller.project_name, _node_name(session, pod.node_id))
+
+
+def start_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
+    """Start a stopped or finished pod again: back to Pending, to be scheduled anew."""
+    now = ctx.clock.now()
+    with ctx.db.transaction() as session:
+        pod = _find(session, caller, ref)
+        if PodPhase(pod.phase) not in TERMINAL_PHASES:
+            raise Conflict(f"pod {pod.name!r} is {pod.phase}; only an ended pod can be started")
+        requeue(session, pod, now, "StartedByUser")
+        return pod_out(pod, caller.project_name, None)
+
+
+def requeue(session: Session, pod: PodModel, now: datetime, reason: str,
+            message: str | None = None) -> None:
+    """Back to Pending with no node: the scheduler places it again."""
+    transition(session, pod, PodPhase.PENDING, now, reason, message)
+    pod.desired_state = "running"
+    pod.node_id = None
+    pod.gpu_uuids = []
+    pod.gpu_milli = {}
+    pod.exit_code = None
+    pod.unschedulable = None
+
+
+def delete_pod(ctx: ServiceContext, caller: Principal, ref: str) -> None:
+    """Delete a pod; if it runs, its agent stops it once it is gone from the assignments."""
+    now = ctx.clock.now()
+    with ctx.db.transaction() as session:
+        pod = _find(session, caller, ref)
+        pod.deleted_at = now
+        pod.desired_state = "deleted"
+        pod.version += 1
+        record_event(session, pod, now, "Deleted")
+        if PodPhase(pod.phase) in ACTIVE_PHASES:
+            bump_assignments(session, pod.node_id)
+
+
+def why_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodWhyOut:
+    with ctx.db.transaction() as session:
+        pod = _find(session, caller, ref)
+        phase = PodPhase(pod.phase)
+        reasons = pod.unschedulable or {}
+        if phase is not PodPhase.PENDING:
+            summary = f"pod is {phase}" + (f" on node {_node_name(session, pod.node_id)}"
+                                           if pod.node_id else "")
+        elif pod.not_before and pod.not_before > ctx.clock.now():
+            summary = f"waiting to restart until {pod.not_before.isoformat()} (back-off)"
+        elif reasons:
+            summary = Explanation(reasons).summary()
+        else:
+            summary = "waiting for the scheduler's next pass"
+        return PodWhyOut(pod=pod.name, phase=phase, summary=summary, reasons=reasons)
+
+
+def read_logs(ctx: ServiceContext, caller: Principal, ref: str, offset: int = 0,
+              tail_bytes: int | None = None) -> PodLogsOut:
+    """The current attempt's output from ``offset`` (or its last ``tail_bytes``)."""
+    with ctx.db.transaction() as session:
+        pod = _find(session, caller, ref)
+        chunks = session.scalars(
+            select(PodLogChunkModel)
+            .where(PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt == pod.attempt)
+            .order_by(PodLogChunkModel.offset)
+        ).all()
+        text = "".join(c.data for c in chunks)
+        if not chunks and pod.log_tail:
+            text = pod.log_tail
+        finished = PodPhase(pod.phase) in TERMINAL_PHASES
+    start = max(0, len(text) - tail_bytes) if tail_bytes is not None else min(offset, len(text))
+    return PodLogsOut(text=text[start:], offset=start, next_offset=len(text), finished=finished)

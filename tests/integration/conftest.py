@@ -1,0 +1,79 @@
+"""API fixtures: the app on a manual clock (controllers driven by the test), clients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gpucloud.api.app import create_app
+from gpucloud.controllers.loops import NodeLeaseController, SchedulingController
+from gpucloud.core.clock import ManualClock
+from gpucloud.core.settings import Settings
+from gpucloud.services.context import ServiceContext
+from tests.conftest import ADMIN_KEY
+
+
+@pytest.fixture
+def app_client(settings: Settings, clock: ManualClock) -> Iterator[TestClient]:
+    """A client with no credentials on an app whose controllers the test drives."""
+    app = create_app(settings, clock, run_controllers=False)
+    with TestClient(app) as client:
+        yield client
+
+
+@pytest.fixture
+def api(app_client: TestClient) -> TestClient:
+    """The admin's client."""
+    app_client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+    return app_client
+
+
+@pytest.fixture
+def app_ctx(app_client: TestClient) -> ServiceContext:
+    ctx: ServiceContext = app_client.app.state.ctx  # type: ignore[attr-defined]
+    return ctx
+
+
+@pytest.fixture
+def schedule(app_ctx: ServiceContext) -> Callable[[], Any]:
+    """Run one scheduling pass now."""
+    controller = SchedulingController(app_ctx)
+    return controller.tick
+
+
+@pytest.fixture
+def expire_leases(app_ctx: ServiceContext) -> Callable[[], list[str]]:
+    return NodeLeaseController(app_ctx).tick
+
+
+def h100_gpus(count: int = 8, numa_split: int = 4) -> list[dict[str, Any]]:
+    return [
+        {"uuid": f"GPU-{i:08d}-test", "model": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
+         "numa_node": i // numa_split, "nvlink_peers": [j for j in range(count) if j != i]}
+        for i in range(count)
+    ]
+
+
+@pytest.fixture
+def register_node(api: TestClient) -> Callable[..., dict[str, Any]]:
+    """Register a node through the agent protocol; returns the registration response."""
+
+    def register(name: str, gpus: list[dict[str, Any]] | None = None, cpu: float = 64,
+                 memory: int = 512 * 1024**3, **extra: Any) -> dict[str, Any]:
+        token = api.post("/v1/nodes/join-tokens").json()["token"]
+        response = api.post("/v1/agent/register", json={
+            "join_token": token, "name": name, "cpu_cores": cpu, "memory_bytes": memory,
+            "gpus": h100_gpus() if gpus is None else gpus, **extra,
+        })
+        assert response.status_code == 201, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    return register
+
+
+def agent_headers(registration: dict[str, Any]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {registration['node_token']}"}
