@@ -21,7 +21,6 @@ from gpucloud.core.settings import gpucloud_home
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 console = Console()
-err_console = Console(stderr=True)
 
 
 class OutputFormat(StrEnum):
@@ -92,7 +91,7 @@ def cli_errors() -> Iterator[None]:
     try:
         yield
     except GpucloudError as error:
-        err_console.print(f"error: {error.message}", markup=False, highlight=False)
+        typer.echo(f"error: {error.message}", err=True)
         raise typer.Exit(1) from None
 
 

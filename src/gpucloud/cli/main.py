@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 from gpucloud.cli import gpu, node, pod, project, server
@@ -25,19 +24,17 @@ app.add_typer(gpu.app, name="gpu")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: usage errors become one line (``error: …``) and exit status 2."""
+    """Entry point: usage errors become one line (``error: …``) and a non-zero status."""
     try:
         result = app(args=argv, prog_name="gpucloud", standalone_mode=False)
-    except click.exceptions.Exit as done:
-        return done.exit_code
-    except click.exceptions.Abort:
+    except typer.Exit as done:
+        return int(done.exit_code)
+    except typer.Abort:
         print("aborted", file=sys.stderr)
         return 130
-    except click.UsageError as error:
-        print(f"error: {error.format_message()}", file=sys.stderr)
-        return 2
-    except click.ClickException as error:
-        print(f"error: {error.format_message()}", file=sys.stderr)
+    except typer.TyperException as error:
+        message = " ".join(error.format_message().split())
+        print(f"error: {message}", file=sys.stderr)
         return error.exit_code
     return result if isinstance(result, int) else 0
 

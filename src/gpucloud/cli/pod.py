@@ -128,7 +128,9 @@ def why(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
 @app.command()
 def logs(
     pod: str,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new output")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new output")
+    ] = False,
     tail: Annotated[int | None, typer.Option(help="Only the last N bytes")] = None,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:

@@ -15,15 +15,23 @@ from gpucloud.core.settings import Settings
 def server(
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on", min=1, max=65535)] = 8080,
+    workers: Annotated[int, typer.Option(help="Server processes (PostgreSQL or SQLite)",
+                                         min=1, max=64)] = 1,
     access_log: Annotated[bool, typer.Option(help="Log every request")] = False,
 ) -> None:
     """Run the control plane (API, scheduler, node leases)."""
     with cli_errors():
         settings = Settings.from_env()
+        settings.home.mkdir(parents=True, exist_ok=True)
         typer.echo(f"gpucloud server on http://{host}:{port} (state in {settings.home}, "
                    f"database {settings.database_url.split('://')[0]})")
-        uvicorn.run(create_app(settings), host=host, port=port, access_log=access_log,
-                    log_level="info" if access_log else "warning")
+        log_level = "info" if access_log else "warning"
+        if workers == 1:
+            uvicorn.run(create_app(settings), host=host, port=port, access_log=access_log,
+                        log_level=log_level)
+        else:
+            uvicorn.run("gpucloud.api.app:create_app", factory=True, workers=workers,
+                        host=host, port=port, access_log=access_log, log_level=log_level)
 
 
 config_app = typer.Typer(help="CLI configuration.", no_args_is_help=True)

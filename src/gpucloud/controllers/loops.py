@@ -15,6 +15,7 @@ from gpucloud.services.context import ServiceContext
 
 log = logging.getLogger(__name__)
 LEADER_TTL_SECONDS = 15.0
+MIN_GAP_SECONDS = 0.1
 
 
 class SchedulingController:
@@ -79,5 +80,8 @@ class ControllerRunner:
                 log.warning("controller pass failed on the database, retrying: %s", error)
             except Exception:  # noqa: BLE001 - a bug in one pass must not stop every loop
                 log.exception("controller pass failed")
+            # Passes run at most every MIN_GAP seconds, so a burst of creates is placed in
+            # batches instead of one pass per request; idle, they run every interval.
+            self._stop.wait(MIN_GAP_SECONDS)
             self._wake.wait(self.interval)
             self._wake.clear()

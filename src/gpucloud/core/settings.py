@@ -18,7 +18,7 @@ class Settings:
     admin_key: str | None = None
     lease_ttl_seconds: float = 10.0
     join_token_ttl_seconds: float = 24 * 3600.0
-    scheduler_interval_seconds: float = 0.2
+    scheduler_interval_seconds: float = 1.0
     scheduler_profile: str = "default"
     restart_backoff_seconds: float = 5.0
     restart_backoff_max_seconds: float = 300.0

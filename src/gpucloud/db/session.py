@@ -67,5 +67,15 @@ class Database:
         with self._sessions() as session, session.begin():
             yield session
 
+    def execute_atomic(self, statement: Executable) -> None:
+        """Run one statement as its own transaction, in a single round trip on PostgreSQL
+        (autocommit: no BEGIN/COMMIT exchange)."""
+        if self.is_sqlite:
+            with self.transaction() as session:
+                session.execute(statement)
+            return
+        with self.engine.connect() as connection:
+            connection.execution_options(isolation_level="AUTOCOMMIT").execute(statement)
+
     def dispose(self) -> None:
         self.engine.dispose()

@@ -30,6 +30,7 @@ from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import transition
 from gpucloud.services.nodes import check_fencing
 from gpucloud.services.pods import bump_assignments, requeue
+from gpucloud.services.scheduling import retry_unschedulable
 
 _ACTIVE = [p.value for p in ACTIVE_PHASES]
 
@@ -111,6 +112,7 @@ def _apply_phase(ctx: ServiceContext, session: Session, pod: PodModel,
     if target in TERMINAL_PHASES:
         pod.exit_code = report.exit_code
         pod.finished_at = now
+        retry_unschedulable(session)
         _maybe_restart(ctx, session, pod, target, now)
 
 

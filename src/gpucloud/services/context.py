@@ -6,11 +6,43 @@ import hashlib
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpucloud.core.clock import Clock
 from gpucloud.core.settings import Settings
 from gpucloud.db.session import Database
+
+
+class TtlCache:
+    """A small thread-safe cache whose entries expire after ``ttl_seconds`` (monotonic).
+
+    Used for authenticated API keys, so a request does not pay a query for its key: a
+    revocation on this replica clears it at once, one on another replica takes effect
+    within the TTL.
+    """
+
+    def __init__(self, ttl_seconds: float = 5.0, max_entries: int = 10_000) -> None:
+        self.ttl_seconds = ttl_seconds
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[float, object]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> object | None:
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, key: str, value: object) -> None:
+        with self._lock:
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()
+            self._entries[key] = (time.monotonic() + self.ttl_seconds, value)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
 
 
 @dataclass(frozen=True)
@@ -18,6 +50,7 @@ class ServiceContext:
     db: Database
     clock: Clock
     settings: Settings
+    auth_cache: TtlCache = field(default_factory=TtlCache)
 
 
 _id_lock = threading.Lock()

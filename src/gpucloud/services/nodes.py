@@ -24,6 +24,7 @@ from gpucloud.services.context import ServiceContext, hash_secret, new_id, new_s
 from gpucloud.services.events import transition
 from gpucloud.services.pods import requeue
 from gpucloud.services.projects import Principal
+from gpucloud.services.scheduling import retry_unschedulable
 
 _ACTIVE = [p.value for p in ACTIVE_PHASES]
 
@@ -82,6 +83,7 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegi
         node.address = request.address
         node.provider = request.provider
         _grant(node, now, ttl)
+        retry_unschedulable(session)
         return NodeRegisterResponse(node_id=node.id, name=node.name, node_token=secret,
                                     fencing_token=node.fencing_token, lease_ttl_seconds=ttl)
 
@@ -131,6 +133,7 @@ def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None) ->
         new_grant = fencing_token is None or lapsed
         if new_grant:
             _grant(node, now, ttl)
+            retry_unschedulable(session)
         else:
             node.lease_expires_at = now + timedelta(seconds=ttl)
         assert node.lease_expires_at is not None
@@ -187,6 +190,8 @@ def set_cordoned(ctx: ServiceContext, caller: Principal, ref: str, cordoned: boo
         if node.cordoned != cordoned:
             node.cordoned = cordoned
             node.version += 1
+            if not cordoned:
+                retry_unschedulable(session)
         return _node_out(node, _allocated_gpus(session).get(node.id, 0))
 
 

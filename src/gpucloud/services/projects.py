@@ -68,16 +68,19 @@ def bootstrap_admin(ctx: ServiceContext) -> str | None:
     caller can print it once; ``None`` when the admin project already existed or the key
     came from ``GPUCLOUD_ADMIN_KEY``.
     """
-    with ctx.db.transaction() as session:
-        if session.scalar(select(ProjectModel).where(ProjectModel.name == ADMIN_PROJECT)):
-            _ensure_env_admin_key(ctx, session)
-            return None
-        project = ProjectModel(
-            id=new_id(), name=ADMIN_PROJECT, is_admin=True, created_at=ctx.clock.now()
-        )
-        session.add(project)
-        session.flush()
-        created = _add_key(ctx, session, project, "admin", ctx.settings.admin_key)
+    try:
+        with ctx.db.transaction() as session:
+            if session.scalar(select(ProjectModel).where(ProjectModel.name == ADMIN_PROJECT)):
+                _ensure_env_admin_key(ctx, session)
+                return None
+            project = ProjectModel(
+                id=new_id(), name=ADMIN_PROJECT, is_admin=True, created_at=ctx.clock.now()
+            )
+            session.add(project)
+            session.flush()
+            created = _add_key(ctx, session, project, "admin", ctx.settings.admin_key)
+    except IntegrityError:
+        return None  # another server worker bootstrapped it at the same moment
     if ctx.settings.admin_key:
         return None
     _write_key_file(ctx.settings.home / "admin.key", created.key)
@@ -105,15 +108,21 @@ def _write_key_file(path: Path, key: str) -> None:
 def authenticate(ctx: ServiceContext, key: str | None) -> Principal:
     if not key:
         raise Unauthorized("missing API key (send 'Authorization: Bearer KEY')")
+    key_hash = hash_secret(key)
+    cached = ctx.auth_cache.get(key_hash)
+    if isinstance(cached, Principal):
+        return cached
     with ctx.db.transaction() as session:
         row = session.execute(
             select(ProjectModel.id, ProjectModel.name, ProjectModel.is_admin)
             .join(ApiKeyModel, ApiKeyModel.project_id == ProjectModel.id)
-            .where(ApiKeyModel.key_hash == hash_secret(key), ApiKeyModel.revoked_at.is_(None))
+            .where(ApiKeyModel.key_hash == key_hash, ApiKeyModel.revoked_at.is_(None))
         ).first()
     if row is None:
         raise Unauthorized("invalid or revoked API key")
-    return Principal(project_id=row[0], project_name=row[1], is_admin=row[2])
+    principal = Principal(project_id=row[0], project_name=row[1], is_admin=row[2])
+    ctx.auth_cache.put(key_hash, principal)
+    return principal
 
 
 def create_project(ctx: ServiceContext, caller: Principal, name: str) -> ProjectCreatedOut:
@@ -169,4 +178,6 @@ def revoke_key(ctx: ServiceContext, caller: Principal, key_ref: str) -> KeyOut:
             raise Conflict(f"{key_ref!r} names {len(matches)} keys; use the key id")
         key = matches[0]
         key.revoked_at = ctx.clock.now()
-        return _key_out(key, caller.project_name)
+        revoked = _key_out(key, caller.project_name)
+    ctx.auth_cache.clear()
+    return revoked

@@ -24,6 +24,9 @@ from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event
 
 LOCK_SECONDS = 30.0
+#: An unschedulable pod is looked at again after this long, or at once when capacity
+#: appears (a node registers or is uncordoned, a pod ends): see ``retry_unschedulable``.
+UNSCHEDULABLE_RETRY_SECONDS = 30.0
 _ACTIVE = [p.value for p in ACTIVE_PHASES]
 
 
@@ -129,11 +132,13 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 256) -> Pas
     snap = snapshot(ctx)
     decisions = scheduler.schedule(snap.nodes, [pod_request(p) for p in pods])
     node_versions = {name: node.version for name, node in snap.by_name.items()}
+    rejected = [(p, d) for p, d in zip(pods, decisions, strict=True) if d.placement is None]
+    _mark_unschedulable(ctx, token, rejected)
+    result.unschedulable = [pod.id for pod, _ in rejected]
     for pod, decision in zip(pods, decisions, strict=True):
         if decision.placement is None:
-            _mark_unschedulable(ctx, pod, token, decision)
-            result.unschedulable.append(pod.id)
-        elif _bind(ctx, pod, token, decision, snap.by_name, node_versions):
+            continue
+        if _bind(ctx, pod, token, decision, snap.by_name, node_versions):
             result.scheduled.append(pod.id)
         else:
             result.conflicts.append(pod.id)
@@ -184,6 +189,16 @@ def _claim_node(session: Session, node_id: str, version: int) -> bool:
     ))
 
 
+def retry_unschedulable(session: Session) -> None:
+    """Capacity may have appeared: let the next pass look at unschedulable pods again."""
+    session.execute(
+        update(PodModel)
+        .where(PodModel.phase == PodPhase.PENDING.value, PodModel.reason == "Unschedulable",
+               PodModel.not_before.is_not(None))
+        .values(not_before=None)
+    )
+
+
 def _release(session: Session, pod: PodModel, token: str) -> None:
     session.execute(
         update(PodModel).where(PodModel.id == pod.id, PodModel.lock_token == token)
@@ -191,21 +206,25 @@ def _release(session: Session, pod: PodModel, token: str) -> None:
     )
 
 
-def _mark_unschedulable(ctx: ServiceContext, pod: PodModel, token: str,
-                        decision: Decision) -> None:
-    """Keep the pod Pending with its reasons; an event only when the reasons change."""
-    reasons = dict(decision.explanation.reasons) if decision.explanation else {}
+def _mark_unschedulable(ctx: ServiceContext, token: str,
+                        rejected: list[tuple[PodModel, Decision]]) -> None:
+    """Keep the pods Pending with their reasons, in one transaction; an event only when a
+    pod's reasons change. Looked at again after a while or when capacity appears."""
+    if not rejected:
+        return
     now = ctx.clock.now()
+    retry_at = now + timedelta(seconds=UNSCHEDULABLE_RETRY_SECONDS)
     with ctx.db.transaction() as session:
-        changed = rows_changed(
-            session,
-            update(PodModel)
-            .where(PodModel.id == pod.id, PodModel.lock_token == token,
-                   PodModel.version == pod.version)
-            .values(unschedulable=reasons, reason="Unschedulable", lock_token=None,
-                    lock_expires_at=None),
-        )
-        if changed and reasons != (pod.unschedulable or {}) and decision.explanation:
-            record_event(session, pod, now, "FailedScheduling", decision.explanation.summary())
-
-
+        for pod, decision in rejected:
+            reasons = dict(decision.explanation.reasons) if decision.explanation else {}
+            changed = rows_changed(
+                session,
+                update(PodModel)
+                .where(PodModel.id == pod.id, PodModel.lock_token == token,
+                       PodModel.version == pod.version)
+                .values(unschedulable=reasons, reason="Unschedulable", lock_token=None,
+                        lock_expires_at=None, not_before=retry_at),
+            )
+            if changed and reasons != (pod.unschedulable or {}) and decision.explanation:
+                record_event(session, pod, now, "FailedScheduling",
+                             decision.explanation.summary())

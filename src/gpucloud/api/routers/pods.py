@@ -18,11 +18,12 @@ def _wake_scheduler(request: Request) -> None:
         runner.wake()
 
 
-@router.post("", status_code=201)
-def create_pod(body: PodCreateRequest, ctx: Ctx, caller: Caller, request: Request) -> PodOut:
+@router.post("", status_code=201, response_model=PodOut)
+def create_pod(body: PodCreateRequest, ctx: Ctx, caller: Caller, request: Request) -> Response:
     pod = pods.create_pod(ctx, caller, body)
     _wake_scheduler(request)
-    return pod
+    # Serialized once here; returning the model would validate it a second time.
+    return Response(pod.model_dump_json(), status_code=201, media_type="application/json")
 
 
 @router.get("")

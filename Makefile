@@ -1,0 +1,41 @@
+# gpucloud — `make up` runs a local cloud, `make test` runs every check.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Debian packages: what the cloud needs to run pods, and what the tests need on top.
+RUN_PACKAGES := runc busybox-static
+TEST_PACKAGES := $(RUN_PACKAGES) postgresql docker-registry umoci skopeo fuse3 libfuse3-dev
+
+.PHONY: up test lint typecheck unit bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+up: $(BIN)/.installed
+	scripts/ensure-packages.sh $(RUN_PACKAGES)
+	$(BIN)/gpucloud up
+
+test: $(BIN)/.installed
+	scripts/ensure-packages.sh $(TEST_PACKAGES)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+	$(BIN)/pytest
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check src tests bench
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
+
+unit: $(BIN)/.installed
+	$(BIN)/pytest tests/unit
+
+bench: $(BIN)/.installed
+	scripts/ensure-packages.sh $(TEST_PACKAGES)
+	$(BIN)/python bench/api.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

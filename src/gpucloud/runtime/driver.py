@@ -1,0 +1,304 @@
+"""The runc driver: start, adopt, stop, inspect and remove containers.
+
+Every container is run by its own supervisor process (see ``supervisor``), which outlives
+the agent. All state lives in files under the agent's state directory, so a new driver
+object — after an agent restart — sees the same containers: running ones keep running and
+logging, and their exit records appear when they end. ``containers()`` is adoption: it
+returns every container the state directory holds, with its current state.
+
+Each agent has its own runc ``--root`` and cgroup parent (derived from its state directory),
+so several agents on one machine never see each other's containers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from gpucloud.core.errors import Conflict, InvalidInput, NotFound
+from gpucloud.gpu.cdi import ContainerEdits
+from gpucloud.runtime.bundle import Bundle, ContainerSpec, ImageConfig, build_bundle
+from gpucloud.runtime.errors import RuncError
+from gpucloud.runtime.layout import CONTAINER_ID, ContainerPaths, read_json, write_json_atomic
+from gpucloud.runtime.supervisor import runc_error
+
+DEFAULT_RUNC = "/usr/bin/runc"
+DEFAULT_GRACE_SECONDS = 30.0
+START_TIMEOUT_SECONDS = 120.0
+OOM_REASON = "OOMKilled"
+
+
+class ContainerState(StrEnum):
+    CREATED = "created"  # bundle written, not started
+    CREATING = "creating"  # supervisor running, container not started yet
+    RUNNING = "running"
+    EXITED = "exited"  # exit.json written: exit code (or start error) known
+    LOST = "lost"  # supervisor gone without an exit record: the exit status is unknown
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """How a container ended. ``exit_code`` is 128+N when killed by signal N (as Docker);
+    None with ``error`` set when the container never ran."""
+
+    exit_code: int | None
+    signal: int | None = None
+    oom_killed: bool = False
+    stop_requested: bool = False
+    killed_after_grace: bool = False
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ExitInfo:
+        known = {name for name in cls.__dataclass_fields__}
+        return cls(**{key: value for key, value in record.items() if key in known})
+
+    @property
+    def reason(self) -> str | None:
+        """The pod's reason: ``OOMKilled``, the start error, or None for a plain exit."""
+        if self.oom_killed:
+            return OOM_REASON
+        return self.error
+
+    @property
+    def succeeded(self) -> bool:
+        return self.exit_code == 0 and not self.oom_killed
+
+
+@dataclass(frozen=True)
+class ContainerStatus:
+    container_id: str
+    state: ContainerState
+    pid: int | None = None
+    exit: ExitInfo | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+
+
+def _pid_alive(pid: int, marker: str) -> bool:
+    """Whether ``pid`` runs and its command line mentions ``marker`` (no pid reuse)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return marker.encode() in cmdline and not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+class RuncDriver:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        runc: str = DEFAULT_RUNC,
+        python: str = sys.executable,
+        start_timeout: float = START_TIMEOUT_SECONDS,
+    ) -> None:
+        self.state_dir = state_dir.resolve()
+        self.runc = runc
+        self.python = python
+        self.start_timeout = start_timeout
+        self.runc_root = self.state_dir / "runc"
+        self.containers_dir = self.state_dir / "containers"
+        self.containers_dir.mkdir(parents=True, exist_ok=True)
+        self.runc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.scope = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
+
+    # -- naming -------------------------------------------------------------------------
+
+    def paths(self, container_id: str) -> ContainerPaths:
+        if not CONTAINER_ID.match(container_id):
+            raise InvalidInput("container_id", f"{container_id!r} is not a valid container id")
+        return ContainerPaths(self.containers_dir / container_id)
+
+    def cgroup_path(self, container_id: str) -> str:
+        """The container's cgroup, under a parent private to this agent's state dir."""
+        return f"/gpucloud/{self.scope}/{container_id}"
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def build(
+        self,
+        spec: ContainerSpec,
+        rootfs: Path,
+        image: ImageConfig,
+        cdi_edits: Sequence[ContainerEdits] = (),
+    ) -> Bundle:
+        """Write the bundle for a new container (raises CommandNotFound, BundleError)."""
+        paths = self.paths(spec.container_id)
+        if paths.supervisor_pid.exists() or paths.exit_record.exists():
+            raise Conflict(f"container {spec.container_id} already exists")
+        return build_bundle(paths, rootfs, image, spec,
+                            cgroup_path=self.cgroup_path(spec.container_id), cdi_edits=cdi_edits)
+
+    def start(self, container_id: str) -> ContainerStatus:
+        """Start a built container under a new supervisor; return once its process runs.
+
+        Raises RuncError with runc's message when the container cannot start.
+        """
+        paths = self.paths(container_id)
+        if not paths.config.exists():
+            raise NotFound(f"container {container_id} has no bundle")
+        if paths.supervisor_pid.exists():
+            raise Conflict(f"container {container_id} was already started")
+        command = [self.python, "-m", "gpucloud.runtime.supervisor", "--runc", self.runc,
+                   "--root", str(self.runc_root), str(paths.root)]
+        try:
+            # cwd "/": ``python -m`` puts the working directory first on sys.path.
+            result = subprocess.run(command, capture_output=True, text=True, check=False,
+                                    timeout=self.start_timeout, stdin=subprocess.DEVNULL, cwd="/")
+        except subprocess.TimeoutExpired:
+            raise RuncError(f"container {container_id} did not start in time") from None
+        line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+        if not line.startswith("started"):
+            detail = line.removeprefix("error: ") or result.stderr.strip() or "unknown error"
+            if not line.startswith("error: "):
+                detail += f" (see {paths.supervisor_log})"
+            raise RuncError(f"container failed to start: {detail}")
+        return self.status(container_id)
+
+    def status(self, container_id: str) -> ContainerStatus:
+        paths = self.paths(container_id)
+        if not paths.root.is_dir():
+            raise NotFound(f"container {container_id} does not exist")
+        labels = read_json(paths.meta) or {}
+        record = read_json(paths.exit_record)
+        if record is not None:
+            return ContainerStatus(container_id, ContainerState.EXITED,
+                                   exit=ExitInfo.from_record(record), labels=labels,
+                                   log_path=paths.log)
+        started = read_json(paths.started)
+        pid = started["pid"] if started else None
+        if self._supervised(paths):
+            state = ContainerState.RUNNING if started else ContainerState.CREATING
+        else:
+            state = self._unsupervised_state(paths)
+        return ContainerStatus(container_id, state, pid=pid, labels=labels, log_path=paths.log)
+
+    def containers(self) -> list[ContainerStatus]:
+        """Every container in the state dir: what a restarted agent adopts."""
+        statuses = []
+        for entry in sorted(self.containers_dir.iterdir()):
+            if entry.is_dir() and CONTAINER_ID.match(entry.name):
+                statuses.append(self.status(entry.name))
+        return statuses
+
+    def stop(self, container_id: str, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> None:
+        """Ask the container to stop: SIGTERM now, SIGKILL after ``grace_seconds``.
+
+        Returns at once; the supervisor enforces the grace period even if the agent
+        restarts meanwhile. Use ``wait`` for the outcome. Stopping an exited container
+        does nothing.
+        """
+        paths = self.paths(container_id)
+        state = self.status(container_id).state
+        if state is ContainerState.EXITED:
+            return
+        write_json_atomic(paths.stop_request,
+                          {"grace_seconds": grace_seconds, "requested_at": time.time()})
+        supervisor = read_json(paths.supervisor_pid)
+        if isinstance(supervisor, int) and self._supervised(paths):
+            os.kill(supervisor, signal.SIGUSR1)
+            return
+        self._stop_unsupervised(container_id, grace_seconds)
+
+    def wait(self, container_id: str, timeout: float | None = None) -> ExitInfo | None:
+        """The container's exit once known, or None if ``timeout`` passes first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            status = self.status(container_id)
+            if status.exit is not None:
+                return status.exit
+            if status.state is ContainerState.LOST:
+                return None
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def remove(self, container_id: str) -> None:
+        """Delete an ended container's runc state and directory (logs included)."""
+        paths = self.paths(container_id)
+        if not paths.root.is_dir():
+            return
+        if self.status(container_id).state in (ContainerState.RUNNING, ContainerState.CREATING):
+            raise Conflict(f"container {container_id} is still running; stop it first")
+        self._runc("delete", "--force", container_id, check=False)
+        shutil.rmtree(paths.root)
+
+    def log_path(self, container_id: str) -> Path:
+        return self.paths(container_id).log
+
+    def prune_cgroups(self, cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
+        """Remove this agent's empty cgroup parents (runc removes only the containers')."""
+        parent = self.cgroup_path("x").rsplit("/", 1)[0].lstrip("/")
+        for directory in sorted(cgroup_root.glob(f"*/{parent}")) + [cgroup_root / parent]:
+            for candidate in (directory, directory.parent):
+                try:
+                    candidate.rmdir()
+                except OSError:
+                    pass  # busy (containers still running, or another agent's), or absent
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _supervised(self, paths: ContainerPaths) -> bool:
+        pid = read_json(paths.supervisor_pid)
+        return isinstance(pid, int) and _pid_alive(pid, str(paths.root))
+
+    def _runc(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        log = self.state_dir / "runc-driver.log"
+        command = [self.runc, "--root", str(self.runc_root), "--log", str(log),
+                   "--log-format", "json", *args]
+        result = subprocess.run(command, capture_output=True, text=True, check=False,
+                                stdin=subprocess.DEVNULL)
+        if check and result.returncode != 0:
+            raise RuncError(runc_error(log, result.stderr.strip() or f"runc {args[0]} failed"))
+        return result
+
+    def _runc_state(self, container_id: str) -> str | None:
+        result = self._runc("state", container_id, check=False)
+        if result.returncode != 0:
+            return None
+        return str(json.loads(result.stdout).get("status"))
+
+    def _unsupervised_state(self, paths: ContainerPaths) -> ContainerState:
+        """The state of a container whose supervisor is gone (killed, or host trouble).
+
+        Its process may still run (runc knows), but its exit status will be lost.
+        """
+        if not paths.supervisor_pid.exists():
+            return ContainerState.CREATED if paths.config.exists() else ContainerState.LOST
+        if self._runc_state(paths.container_id) in ("running", "created", "paused"):
+            return ContainerState.RUNNING
+        return ContainerState.LOST
+
+    def _stop_unsupervised(self, container_id: str, grace_seconds: float) -> None:
+        """Without a supervisor, enforce the grace period here (this call blocks)."""
+        self._runc("kill", container_id, "TERM", check=False)
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline:
+            if self._runc_state(container_id) not in ("running", "created", "paused"):
+                return
+            time.sleep(0.1)
+        self._runc("kill", container_id, "KILL", check=False)

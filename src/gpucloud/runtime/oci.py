@@ -1,0 +1,106 @@
+"""Pieces of an OCI runtime config (runtime spec 1.0.2) that do not depend on the pod.
+
+Defaults follow Docker's: its capability set, masked and read-only /proc paths, and the
+standard /proc, /dev, /dev/pts, /dev/shm, /dev/mqueue and /sys mounts.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+from typing import Any
+
+OCI_VERSION = "1.0.2"
+CPU_PERIOD_US = 100_000
+MIN_CPU_QUOTA_US = 1_000
+UNLIMITED = 2**64 - 1
+
+DEFAULT_CAPABILITIES: tuple[str, ...] = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+)
+
+MASKED_PATHS: tuple[str, ...] = (
+    "/proc/asound", "/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+    "/sys/firmware", "/sys/devices/virtual/powercap",
+)
+
+READONLY_PATHS: tuple[str, ...] = (
+    "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+)
+
+
+def capabilities() -> dict[str, list[str]]:
+    caps = list(DEFAULT_CAPABILITIES)
+    return {"bounding": caps, "effective": caps, "permitted": list(caps)}
+
+
+def standard_mounts(shm_size_bytes: int) -> list[dict[str, Any]]:
+    """The kernel filesystems every container gets."""
+    return [
+        {"destination": "/proc", "type": "proc", "source": "proc",
+         "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={shm_size_bytes}"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+         "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+         "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+         "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+    ]
+
+
+def bind_mount(source: Path, destination: str, *, readonly: bool) -> dict[str, Any]:
+    options = ["rbind", "nosuid", "nodev", "ro" if readonly else "rw"]
+    return {"destination": destination, "type": "bind", "source": str(source), "options": options}
+
+
+def _hard_limit(kind: int) -> int:
+    """Our own hard limit (inherited by runc); raising past it needs CAP_SYS_RESOURCE,
+    which the agent may not have, so containers get at most this."""
+    hard = resource.getrlimit(kind)[1]
+    return UNLIMITED if hard == resource.RLIM_INFINITY else hard
+
+
+def nofile_limit(nr_open: Path = Path("/proc/sys/fs/nr_open")) -> int:
+    """RLIMIT_NOFILE for containers: 1Mi, or the kernel's or our own ceiling if lower."""
+    try:
+        ceiling = int(nr_open.read_text().strip())
+    except (OSError, ValueError):
+        ceiling = 65_536
+    return min(1_048_576, ceiling, _hard_limit(resource.RLIMIT_NOFILE))
+
+
+def rlimits() -> list[dict[str, Any]]:
+    """Generous file limits; as much locked memory as allowed (unlimited when the agent
+    has it), which NCCL and RDMA need for pinned buffers. Locked pages still count
+    against the memory limit."""
+    files = nofile_limit()
+    memlock = _hard_limit(resource.RLIMIT_MEMLOCK)
+    return [
+        {"type": "RLIMIT_NOFILE", "soft": files, "hard": files},
+        {"type": "RLIMIT_MEMLOCK", "soft": memlock, "hard": memlock},
+    ]
+
+
+def cpu_resources(cpu_milli: int) -> dict[str, int]:
+    """CFS shares (relative weight) and quota (hard cap) for ``cpu_milli`` milli-cores."""
+    if cpu_milli <= 0:
+        return {}
+    quota = max(MIN_CPU_QUOTA_US, cpu_milli * CPU_PERIOD_US // 1000)
+    return {"shares": max(2, cpu_milli * 1024 // 1000), "quota": quota, "period": CPU_PERIOD_US}
+
+
+def memory_resources(memory_bytes: int) -> dict[str, int]:
+    """A memory limit with swap equal to it (memory+swap in cgroup v1), so that the limit
+    holds on hosts with swap instead of spilling over."""
+    if memory_bytes <= 0:
+        return {}
+    return {"limit": memory_bytes, "swap": memory_bytes}

@@ -1,0 +1,311 @@
+"""The per-container supervisor: runs one container and records how it ended.
+
+runc keeps no exit status for detached containers, and the agent must be able to restart
+without stopping its pods. So each container gets this small process, started by the agent
+and detached from it (fork + setsid, so it survives the agent):
+
+1. it makes itself a child subreaper, then ``runc create`` with the log file as the
+   container's stdout and stderr (runc passes them through to the container's PID 1, so
+   output keeps flowing to the file whatever happens to the agent or to this process);
+   once runc create exits, the container's PID 1 is re-parented to this process;
+2. it brings up loopback in a private network namespace, then ``runc start``;
+3. it waits for PID 1 with ``waitpid`` (an exact exit status), reads the memory cgroup's
+   OOM counter before the cgroup goes away, writes ``exit.json``, and ``runc delete``s.
+
+A stop request is ``stop.json`` (the grace period) plus SIGUSR1: SIGTERM to PID 1 now,
+SIGKILL when the grace period ends. SIGTERM, SIGINT and SIGHUP are ignored so that stopping
+the agent's process group does not take pods down. Only the standard library and the two
+stdlib-only runtime modules are imported, to keep start-up fast.
+
+Usage: python -m gpucloud.runtime.supervisor --runc PATH --root DIR CONTAINER_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from gpucloud.runtime.cgroups import memory_cgroup_dir, oom_killed
+from gpucloud.runtime.layout import ContainerPaths, read_json, write_json_atomic
+
+PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+DEFAULT_GRACE_SECONDS = 30.0
+RUNC_TIMEOUT_SECONDS = 120.0
+
+
+class SupervisorError(Exception):
+    """A step before the container ran failed; the message becomes the pod's reason."""
+
+
+def _log(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def runc_error(runc_log: Path, fallback: str) -> str:
+    """The last error runc logged (its JSON log), else ``fallback``."""
+    try:
+        lines = runc_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return fallback
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "fatal"):
+            return str(entry.get("msg", fallback))
+    return fallback
+
+
+def _loopback_up(pid: int) -> None:
+    """Set ``lo`` up in the network namespace of ``pid`` (runc leaves it down).
+
+    Done in a forked child so this process never leaves its own namespace.
+    """
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            namespace = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+            if libc.setns(namespace, CLONE_NEWNET) == 0:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                    request = struct.pack("16sH22x", b"lo", 0)
+                    flags = struct.unpack("16sH22x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+                    fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        _log(f"could not bring up loopback in the network namespace of {pid}")
+
+
+def _has_private_network(config: Path) -> bool:
+    namespaces = json.loads(config.read_text()).get("linux", {}).get("namespaces", [])
+    return any(ns.get("type") == "network" and not ns.get("path") for ns in namespaces)
+
+
+class Supervisor:
+    def __init__(self, paths: ContainerPaths, runc: str, runc_root: Path) -> None:
+        self.paths = paths
+        self.runc_command = [runc, "--root", str(runc_root), "--log", str(paths.runc_log),
+                             "--log-format", "json"]
+        self.container_pid: int | None = None
+        self.exited = False
+        self.stop_requested = False
+        self.killed_after_grace = False
+
+    # -- signals ------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        for ignored in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(ignored, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, self._on_stop_request)
+        signal.signal(signal.SIGALRM, self._on_grace_over)
+
+    def _on_stop_request(self, _signum: int, _frame: FrameType | None) -> None:
+        request = read_json(self.paths.stop_request) or {}
+        grace = max(0.0, float(request.get("grace_seconds", DEFAULT_GRACE_SECONDS)))
+        self.stop_requested = True
+        if self.container_pid is None or self.exited:
+            return
+        _log(f"stop requested, grace {grace}s")
+        os.kill(self.container_pid, signal.SIGTERM)
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+        if remaining == 0 or grace < remaining:
+            signal.setitimer(signal.ITIMER_REAL, max(grace, 0.001))
+
+    def _on_grace_over(self, _signum: int, _frame: FrameType | None) -> None:
+        if self.container_pid is not None and not self.exited:
+            _log("grace period over, sending SIGKILL")
+            self.killed_after_grace = True
+            os.kill(self.container_pid, signal.SIGKILL)
+
+    # -- runc ---------------------------------------------------------------------------
+
+    def _runc(self, *args: str, log_fd: int | None = None) -> None:
+        output = log_fd if log_fd is not None else subprocess.DEVNULL
+        try:
+            result = subprocess.run(
+                [*self.runc_command, *args], stdin=subprocess.DEVNULL, stdout=output,
+                stderr=output, timeout=RUNC_TIMEOUT_SECONDS, check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise SupervisorError(f"runc {args[0]} failed: {error}") from None
+        if result.returncode != 0:
+            fallback = f"runc {args[0]} exited with status {result.returncode}"
+            raise SupervisorError(runc_error(self.paths.runc_log, fallback))
+
+    def _create(self) -> int:
+        pid_file = self.paths.root / "container.pid"
+        log_fd = os.open(self.paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        try:
+            self._runc("create", "--bundle", str(self.paths.root), "--pid-file", str(pid_file),
+                       self.paths.container_id, log_fd=log_fd)
+        finally:
+            os.close(log_fd)
+        return int(pid_file.read_text().strip())
+
+    # -- the container's life -----------------------------------------------------------
+
+    def _wait_for_exit(self, pid: int) -> int | None:
+        """Reap children until ``pid`` exits; its exit code (negative: killed by signal).
+
+        ``waitid(WNOWAIT)`` peeks first so that ``exited`` is set before the pid is reaped
+        and could be reused: the signal handlers never signal a recycled pid. None when
+        ``pid`` is not our child (the subreaper could not be set): then only its end is known.
+        """
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                while Path(f"/proc/{pid}").exists():
+                    time.sleep(0.1)
+                self.exited = True
+                return None
+            if info is None:
+                continue
+            if info.si_pid == pid:
+                self.exited = True
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            _, status = os.waitpid(info.si_pid, 0)
+            if info.si_pid == pid:
+                return os.waitstatus_to_exitcode(status)
+
+    def _exit_record(
+        self, code: int | None, started_at: float, memory_dir: Path | None
+    ) -> dict[str, object]:
+        killed_by = -code if code is not None and code < 0 else None
+        return {
+            "exit_code": 128 + killed_by if killed_by else code,
+            "signal": killed_by,
+            "oom_killed": oom_killed(memory_dir, killed_by == signal.SIGKILL),
+            "stop_requested": self.stop_requested,
+            "killed_after_grace": self.killed_after_grace,
+            "started_at": started_at,
+            "finished_at": time.time(),
+            "error": None,
+        }
+
+    def _fail(self, message: str) -> None:
+        _log(f"failed: {message}")
+        now = time.time()
+        write_json_atomic(self.paths.exit_record, {
+            "exit_code": None, "signal": None, "oom_killed": False,
+            "stop_requested": self.stop_requested, "killed_after_grace": False,
+            "started_at": None, "finished_at": now, "error": message,
+        })
+
+    def _start(self, pid: int) -> None:
+        """Start a created container, unless a stop arrived while it was being created."""
+        if _has_private_network(self.paths.config):
+            _loopback_up(pid)
+        if self.stop_requested:
+            os.kill(pid, signal.SIGKILL)
+            return
+        self._runc("start", self.paths.container_id)
+
+    def run(self, report: int) -> int:
+        """Create, start and wait for the container; ``report`` receives one status line."""
+        if ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            _log("cannot become a child subreaper; exit status will not be exact")
+        self.install_signal_handlers()
+        write_json_atomic(self.paths.supervisor_pid, os.getpid())
+        try:
+            pid = self._create()
+        except SupervisorError as error:
+            self._fail(str(error))
+            self._delete()  # whatever runc left of a half-created container
+            return self._report(report, f"error: {error}", 1)
+        self.container_pid = pid
+        memory_dir = memory_cgroup_dir(pid)
+        started_at = time.time()
+        try:
+            self._start(pid)
+        except SupervisorError as error:
+            os.kill(pid, signal.SIGKILL)
+            self._wait_for_exit(pid)
+            self._fail(str(error))
+            self._delete()
+            return self._report(report, f"error: {error}", 1)
+        write_json_atomic(self.paths.started, {
+            "pid": pid, "started_at": started_at,
+            "memory_cgroup": str(memory_dir) if memory_dir else None,
+        })
+        self._report(report, f"started {pid}", 0)
+        code = self._wait_for_exit(pid)
+        write_json_atomic(self.paths.exit_record, self._exit_record(code, started_at, memory_dir))
+        _log(f"container exited with {code}")
+        self._delete()
+        return 0
+
+    def _delete(self) -> None:
+        try:
+            self._runc("delete", "--force", self.paths.container_id)
+        except SupervisorError as error:
+            _log(f"runc delete failed: {error}")
+
+    @staticmethod
+    def _report(fd: int, line: str, code: int) -> int:
+        try:
+            os.write(fd, (line.replace("\n", " ") + "\n").encode())
+            os.close(fd)
+        except OSError:
+            pass  # the agent stopped waiting; the files tell the same story
+        return code
+
+
+def _detach(paths: ContainerPaths) -> None:
+    """Become a session leader in the container's directory, with stdio on /dev/null and
+    the supervisor log."""
+    os.setsid()
+    os.chdir(paths.root)
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(paths.supervisor_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Fork the supervisor into the background; print its first status line and exit.
+
+    The agent waits for this short-lived parent, so the supervisor itself is never the
+    agent's child (no zombie when it ends, no death when the agent goes).
+    """
+    parser = argparse.ArgumentParser(prog="gpucloud-supervisor")
+    parser.add_argument("--runc", default="/usr/bin/runc")
+    parser.add_argument("--root", required=True, type=Path)
+    parser.add_argument("container_dir", type=Path)
+    args = parser.parse_args(argv)
+    paths = ContainerPaths(args.container_dir.resolve())
+    read_end, write_end = os.pipe()
+    if os.fork() > 0:
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            line = pipe.read().decode(errors="replace").strip()
+        print(line or "error: supervisor ended without reporting")
+        return 0 if line.startswith("started") else 1
+    os.close(read_end)
+    _detach(paths)
+    return Supervisor(paths, args.runc, args.root).run(write_end)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Built-in plugins: filters, GPU-choosing reserve plugins and the placement policies."""
