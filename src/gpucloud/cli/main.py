@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from gpucloud.cli import gpu, node, pod, project, server
+from gpucloud.cli import bench, gpu, node, pod, project, server, sim
 
 app = typer.Typer(
     help="gpucloud: a self-hosted GPU cloud.",
@@ -21,6 +21,8 @@ app.add_typer(project.key_app, name="key")
 app.add_typer(node.app, name="node")
 app.add_typer(pod.app, name="pod")
 app.add_typer(gpu.app, name="gpu")
+app.add_typer(sim.app, name="sim")
+app.add_typer(bench.app, name="bench")
 
 
 def main(argv: list[str] | None = None) -> int:

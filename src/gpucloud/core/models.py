@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.gpu_models import canonical_name, is_well_formed
-from gpucloud.core.image_ref import parse_image_reference
+from gpucloud.core.image_ref import parse_reference
 from gpucloud.core.names import check_dns_label
 from gpucloud.core.phases import NodeStatus, PodPhase, RestartPolicy
 from gpucloud.core.quantities import parse_cpu_milli, parse_memory
@@ -61,7 +61,7 @@ class PodCreateRequest(_Request):
     @classmethod
     def _image(cls, value: str) -> str:
         try:
-            parse_image_reference(value)
+            parse_reference(value)
         except InvalidInput as error:
             raise _reraise("image", error) from None
         return value

@@ -6,7 +6,7 @@ import pytest
 
 from gpucloud.core.errors import InvalidInput, InvalidTransition
 from gpucloud.core.gpu_models import canonical_name
-from gpucloud.core.image_ref import parse_image_reference
+from gpucloud.core.image_ref import parse_reference
 from gpucloud.core.names import check_dns_label
 from gpucloud.core.phases import (
     POD_TRANSITIONS,
@@ -71,7 +71,7 @@ def test_dns_labels_rejected(name: str) -> None:
 ])
 def test_image_references(text: str, registry: str, repository: str, tag: str | None,
                           digest: str | None) -> None:
-    ref = parse_image_reference(text)
+    ref = parse_reference(text)
     assert (ref.registry, ref.repository, ref.tag, ref.digest) == (registry, repository, tag,
                                                                     digest)
 
@@ -80,7 +80,7 @@ def test_image_references(text: str, registry: str, repository: str, tag: str | 
                                   "ex ample", "a:" + "t" * 129])
 def test_malformed_image_references(text: str) -> None:
     with pytest.raises(InvalidInput, match="image"):
-        parse_image_reference(text)
+        parse_reference(text)
 
 
 def test_transition_table_is_closed_and_enforced() -> None:
