@@ -46,7 +46,7 @@ def schedule(app_ctx: ServiceContext) -> Callable[[], Any]:
 
 @pytest.fixture
 def expire_leases(app_ctx: ServiceContext) -> Callable[[], list[str]]:
-    return NodeLeaseController(app_ctx).tick
+    return NodeLeaseController(app_ctx, startup_grace_seconds=0).tick
 
 
 def h100_gpus(count: int = 8, numa_split: int = 4) -> list[dict[str, Any]]:

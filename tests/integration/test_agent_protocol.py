@@ -8,7 +8,9 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from gpucloud.controllers.loops import NodeLeaseController
 from gpucloud.core.clock import ManualClock
+from gpucloud.services.context import ServiceContext
 from tests.integration.conftest import agent_headers
 
 POD = {"name": "job", "image": "busybox", "command": ["sleep", "60"], "gpus": 2}
@@ -190,3 +192,33 @@ def test_lost_node_loses_its_pods_and_restart_always_reschedules(
     late = _status(api, reg1, keep["id"], "Running")
     assert late.status_code == 409
     assert expire_leases() == []
+
+
+def test_stop_grace_reaches_the_agent_and_old_attempt_logs_are_refused(
+    api: TestClient, register_node: Callable[..., dict[str, Any]], schedule: Callable[[], Any]
+) -> None:
+    reg = register_node("gpu-1")
+    pod = api.post("/v1/pods", json=POD).json()
+    schedule()
+    _status(api, reg, pod["id"], "Running")
+    assert _assignments(api, reg)["pods"][0]["stop_grace_seconds"] is None
+    assert api.post("/v1/pods/job/stop", params={"grace": -1}).status_code == 422
+    api.post("/v1/pods/job/stop", params={"grace": 2.5})
+    assert _assignments(api, reg)["pods"][0]["stop_grace_seconds"] == 2.5
+    stale = api.post(f"/v1/agent/pods/{pod['id']}/logs", headers=agent_headers(reg),
+                     json={"fencing_token": 1, "attempt": 0, "offset": 0, "data": "old\n"})
+    assert stale.status_code == 409
+    assert api.get("/v1/pods/job/logs").json()["text"] == ""
+
+
+def test_leases_are_not_expired_during_the_startup_grace(
+    app_ctx: ServiceContext, register_node: Callable[..., dict[str, Any]], clock: ManualClock,
+) -> None:
+    register_node("gpu-1")
+    clock.advance(60)
+    controller = NodeLeaseController(app_ctx)
+    assert controller.tick() == []
+    clock.advance(app_ctx.settings.lease_ttl_seconds - 1)
+    assert controller.tick() == []
+    clock.advance(1)
+    assert controller.tick() == ["gpu-1"]

@@ -42,7 +42,7 @@ def test_create_returns_the_request_and_pending_phase(api: TestClient) -> None:
     ({"memory": "900Pi"}, "memory"),
     ({"gpu_type": "TPU-v9"}, "gpu_type"),
     ({"gpu_type": "<script>"}, "gpu_type"),
-    ({"image": "UPPER/case:tag"}, "image"),
+    ({"image": "Upper:tag"}, "image"),
     ({"image": "repo:bad tag"}, "image"),
     ({"image": ""}, "image"),
     ({"name": "x" * 64}, "name"),

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+from starlette.concurrency import run_in_threadpool
 
 from gpucloud.services import nodes, projects
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.projects import Principal
 
 
-def get_ctx(request: Request) -> ServiceContext:
+async def get_ctx(request: Request) -> ServiceContext:
     ctx: ServiceContext = request.app.state.ctx
     return ctx
 
@@ -23,21 +24,29 @@ def _bearer(authorization: str | None) -> str | None:
     return value.strip() if scheme.lower() == "bearer" else None
 
 
-def get_principal(
+# The dependencies are async so that FastAPI does not hand each one to a worker thread;
+# the only blocking work, a database lookup on a cache miss, is sent to one explicitly.
+
+
+async def get_principal(
     ctx: Annotated[ServiceContext, Depends(get_ctx)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> Principal:
-    return projects.authenticate(ctx, _bearer(authorization))
+    key = _bearer(authorization)
+    cached = projects.cached_principal(ctx, key)
+    if cached is not None:
+        return cached
+    return await run_in_threadpool(projects.authenticate, ctx, key)
 
 
-def get_node_id(
+async def get_node_id(
     ctx: Annotated[ServiceContext, Depends(get_ctx)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> str:
-    return nodes.authenticate_node(ctx, _bearer(authorization))
+    return await run_in_threadpool(nodes.authenticate_node, ctx, _bearer(authorization))
 
 
-def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     principal.require_admin()
     return principal
 

@@ -6,7 +6,8 @@ import sys
 
 import typer
 
-from gpucloud.cli import bench, gpu, node, pod, project, server, sim
+from gpucloud.cli import agent as agent_cli
+from gpucloud.cli import bench, gpu, image, node, pod, project, server, sim, up
 
 app = typer.Typer(
     help="gpucloud: a self-hosted GPU cloud.",
@@ -14,13 +15,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.command("up")(up.up)
 app.command("server")(server.server)
+app.command("agent")(agent_cli.agent)
 app.add_typer(server.config_app, name="config")
 app.add_typer(project.project_app, name="project")
 app.add_typer(project.key_app, name="key")
 app.add_typer(node.app, name="node")
 app.add_typer(pod.app, name="pod")
 app.add_typer(gpu.app, name="gpu")
+app.add_typer(image.app, name="image")
 app.add_typer(sim.app, name="sim")
 app.add_typer(bench.app, name="bench")
 

@@ -150,18 +150,24 @@ def logs(
             offset = chunk.next_offset
 
 
-def _action(verb: str, pod: str, output: OutputFormat) -> None:
+def _action(verb: str, pod: str, output: OutputFormat, grace: float | None = None) -> None:
     with cli_errors():
         api = client()
-        found = api.stop_pod(pod) if verb == "stop" else api.start_pod(pod)
+        found = api.stop_pod(pod, grace) if verb == "stop" else api.start_pod(pod)
         note = "stopping" if verb == "stop" and found.phase != "Stopped" else found.phase
         emit(found, output, lambda: typer.echo(f"pod {found.name}: {note}"))
 
 
 @app.command()
-def stop(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
+def stop(
+    pod: str,
+    grace: Annotated[float | None, typer.Option(
+        help="Seconds between SIGTERM and SIGKILL (default: the node's, 30)", min=0, max=3600,
+    )] = None,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
     """Stop a pod (SIGTERM, then SIGKILL after its grace period)."""
-    _action("stop", pod, output)
+    _action("stop", pod, output, grace)
 
 
 @app.command()

@@ -11,6 +11,10 @@ from gpucloud.api.app import create_app
 from gpucloud.cli.common import CliError, cli_errors, config_path, save_config
 from gpucloud.core.settings import Settings
 
+#: How long a stopping server waits for requests in flight: agents' long polls (up to
+#: 60 s) are cut, and the agents simply poll again.
+SHUTDOWN_SECONDS = 3
+
 
 def server(
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
@@ -28,10 +32,11 @@ def server(
         log_level = "info" if access_log else "warning"
         if workers == 1:
             uvicorn.run(create_app(settings), host=host, port=port, access_log=access_log,
-                        log_level=log_level)
+                        log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_SECONDS)
         else:
             uvicorn.run("gpucloud.api.app:create_app", factory=True, workers=workers,
-                        host=host, port=port, access_log=access_log, log_level=log_level)
+                        host=host, port=port, access_log=access_log, log_level=log_level,
+                        timeout_graceful_shutdown=SHUTDOWN_SECONDS)
 
 
 config_app = typer.Typer(help="CLI configuration.", no_args_is_help=True)

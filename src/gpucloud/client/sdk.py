@@ -168,8 +168,9 @@ class GpucloudClient(_Base):
             params["tail"] = tail
         return self._typed(PodLogsOut, "GET", f"/v1/pods/{ref}/logs", params=params)
 
-    def stop_pod(self, ref: str) -> PodOut:
-        return self._typed(PodOut, "POST", f"/v1/pods/{ref}/stop")
+    def stop_pod(self, ref: str, grace: float | None = None) -> PodOut:
+        params = {"grace": grace} if grace is not None else None
+        return self._typed(PodOut, "POST", f"/v1/pods/{ref}/stop", params=params)
 
     def start_pod(self, ref: str) -> PodOut:
         return self._typed(PodOut, "POST", f"/v1/pods/{ref}/start")

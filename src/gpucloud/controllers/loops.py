@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from datetime import datetime, timedelta
 
 from sqlalchemy.exc import OperationalError
 
@@ -30,12 +31,28 @@ class SchedulingController:
 
 
 class NodeLeaseController:
+    """Marks nodes whose lease lapsed Lost.
+
+    For ``startup_grace_seconds`` after its first tick (by default one lease TTL) it marks
+    nothing: after a server outage longer than the TTL every lease looks lapsed, and the
+    agents need one renewal period to come back before their nodes are declared lost.
+    """
+
     name = "node-leases"
 
-    def __init__(self, ctx: ServiceContext) -> None:
+    def __init__(self, ctx: ServiceContext, startup_grace_seconds: float | None = None) -> None:
         self.ctx = ctx
+        self.startup_grace = timedelta(seconds=ctx.settings.lease_ttl_seconds
+                                       if startup_grace_seconds is None
+                                       else startup_grace_seconds)
+        self._active_since: datetime | None = None
 
     def tick(self) -> list[str]:
+        now = self.ctx.clock.now()
+        if self._active_since is None:
+            self._active_since = now
+        if now < self._active_since + self.startup_grace:
+            return []
         lost = nodes.expire_leases(self.ctx)
         for name in lost:
             log.warning("node %s lost: its lease expired", name)

@@ -270,6 +270,7 @@ class AgentPodStatusRequest(_Request):
 
 class AgentLogChunkRequest(_Request):
     fencing_token: int
+    attempt: int | None = None
     offset: int = Field(ge=0)
     data: str = Field(max_length=1024 * 1024)
 
@@ -289,6 +290,8 @@ class AssignmentOut(BaseModel):
     memory_bytes: int
     gpu_uuids: list[str]
     gpu_milli: int = 0
+    #: SIGTERM-to-SIGKILL grace asked for by `pod stop --grace`; None: the agent's default.
+    stop_grace_seconds: float | None = None
 
 
 class AssignmentsOut(BaseModel):

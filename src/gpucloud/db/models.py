@@ -127,6 +127,7 @@ class PodModel(Base):
     cpu_milli: Mapped[int] = mapped_column(BigInteger)
     memory_bytes: Mapped[int] = mapped_column(BigInteger)
     restart_policy: Mapped[str] = mapped_column(String(16))
+    stop_grace_seconds: Mapped[float | None] = mapped_column(Float)
     node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
     gpu_uuids: Mapped[list[str]] = mapped_column(JSON)
     gpu_milli: Mapped[dict[str, int]] = mapped_column(JSON)

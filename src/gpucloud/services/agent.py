@@ -63,6 +63,7 @@ def _assignment(pod: PodModel, project: str) -> AssignmentOut:
         command=pod.command, env=pod.env, ports=pod.ports, cpu_milli=pod.cpu_milli,
         memory_bytes=pod.memory_bytes, gpu_uuids=pod.gpu_uuids,
         gpu_milli=round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0,
+        stop_grace_seconds=pod.stop_grace_seconds,
     )
 
 
@@ -152,6 +153,8 @@ def append_log(ctx: ServiceContext, node_id: str, pod_id: str,
         node = session.get_one(NodeModel, node_id)
         check_fencing(node, chunk.fencing_token)
         pod = _bound_pod(session, node, pod_id)
+        if chunk.attempt is not None and chunk.attempt != pod.attempt:
+            raise Conflict(f"log of attempt {chunk.attempt}; the pod is on {pod.attempt}")
         end = _log_end(session, pod)
         if chunk.offset == end and chunk.data:
             session.add(PodLogChunkModel(pod_id=pod.id, attempt=pod.attempt, offset=end,

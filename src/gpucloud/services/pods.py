@@ -69,12 +69,22 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
     # derived from the row (see list_events), the unique index settles duplicate names.
     try:
         ctx.db.execute_atomic(insert(PodModel).values(row))
-    except IntegrityError:
-        raise InvalidInput(
-            "name", f"a pod named {request.name!r} already exists in project "
-            f"{caller.project_name!r}"
-        ) from None
+    except IntegrityError as error:
+        if _name_taken(ctx, caller, request.name):
+            raise InvalidInput(
+                "name", f"a pod named {request.name!r} already exists in project "
+                f"{caller.project_name!r}"
+            ) from None
+        raise Conflict(f"pod not created: {error.orig}") from None
     return pod_out(pod, caller.project_name, None)
+
+
+def _name_taken(ctx: ServiceContext, caller: Principal, name: str) -> bool:
+    with ctx.db.transaction() as session:
+        return session.scalar(
+            select(PodModel.id).where(PodModel.project_id == caller.project_id,
+                                      PodModel.name == name, PodModel.deleted_at.is_(None))
+        ) is not None
 
 
 def _find(session: Session, caller: Principal, ref: str) -> PodModel:
@@ -145,11 +155,14 @@ def bump_assignments(session: Session, node_id: str | None) -> None:
         )
 
 
-def stop_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
-    """Stop a pod: at once when nothing runs, else ask its agent (SIGTERM, grace, SIGKILL)."""
+def stop_pod(ctx: ServiceContext, caller: Principal, ref: str,
+             grace_seconds: float | None = None) -> PodOut:
+    """Stop a pod: at once when nothing runs, else ask its agent (SIGTERM, then SIGKILL
+    after ``grace_seconds``, by default the agent's own, 30 s)."""
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
         pod = _find(session, caller, ref)
+        pod.stop_grace_seconds = grace_seconds
         phase = PodPhase(pod.phase)
         if phase in {PodPhase.PENDING, PodPhase.LOST}:
             transition(session, pod, PodPhase.STOPPED, now, "StoppedByUser")

@@ -105,13 +105,21 @@ def _write_key_file(path: Path, key: str) -> None:
         handle.write(key + "\n")
 
 
+def cached_principal(ctx: ServiceContext, key: str | None) -> Principal | None:
+    """The caller of a key authenticated in the last few seconds, without a query."""
+    if not key:
+        return None
+    cached = ctx.auth_cache.get(hash_secret(key))
+    return cached if isinstance(cached, Principal) else None
+
+
 def authenticate(ctx: ServiceContext, key: str | None) -> Principal:
     if not key:
         raise Unauthorized("missing API key (send 'Authorization: Bearer KEY')")
-    key_hash = hash_secret(key)
-    cached = ctx.auth_cache.get(key_hash)
-    if isinstance(cached, Principal):
+    cached = cached_principal(ctx, key)
+    if cached is not None:
         return cached
+    key_hash = hash_secret(key)
     with ctx.db.transaction() as session:
         row = session.execute(
             select(ProjectModel.id, ProjectModel.name, ProjectModel.is_admin)

@@ -13,11 +13,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpucloud.core.phases import ACTIVE_PHASES, NodeStatus, PodPhase
-from gpucloud.db.models import NodeModel, PodModel
+from gpucloud.db.models import Base, NodeModel, PodModel
 from gpucloud.db.session import rows_changed
 from gpucloud.scheduler import Decision, GpuState, NodeState, PodRequest, Scheduler
 from gpucloud.services.context import ServiceContext, new_id
@@ -208,23 +208,34 @@ def _release(session: Session, pod: PodModel, token: str) -> None:
 
 def _mark_unschedulable(ctx: ServiceContext, token: str,
                         rejected: list[tuple[PodModel, Decision]]) -> None:
-    """Keep the pods Pending with their reasons, in one transaction; an event only when a
-    pod's reasons change. Looked at again after a while or when capacity appears."""
+    """Keep the pods Pending with their reasons and release them, in one transaction and
+    one executemany; an event for each pod whose reasons changed. They are looked at again
+    after UNSCHEDULABLE_RETRY_SECONDS, or at once when capacity appears.
+
+    A pod stopped or deleted since it was leased fails the guard and keeps its new state;
+    at worst it also gets a FailedScheduling event it no longer needs.
+    """
     if not rejected:
         return
     now = ctx.clock.now()
-    retry_at = now + timedelta(seconds=UNSCHEDULABLE_RETRY_SECONDS)
+    pods = Base.metadata.tables[PodModel.__tablename__]
+    statement = (
+        update(pods)
+        .where(pods.c.id == bindparam("pod_id"), pods.c.lock_token == token,
+               pods.c.version == bindparam("expected_version"))
+        .values(unschedulable=bindparam("reasons"), reason="Unschedulable", lock_token=None,
+                lock_expires_at=None,
+                not_before=now + timedelta(seconds=UNSCHEDULABLE_RETRY_SECONDS))
+    )
+    rows = [{"pod_id": pod.id, "expected_version": pod.version,
+             "reasons": _reasons(decision)} for pod, decision in rejected]
     with ctx.db.transaction() as session:
+        session.connection().execute(statement, rows)
         for pod, decision in rejected:
-            reasons = dict(decision.explanation.reasons) if decision.explanation else {}
-            changed = rows_changed(
-                session,
-                update(PodModel)
-                .where(PodModel.id == pod.id, PodModel.lock_token == token,
-                       PodModel.version == pod.version)
-                .values(unschedulable=reasons, reason="Unschedulable", lock_token=None,
-                        lock_expires_at=None, not_before=retry_at),
-            )
-            if changed and reasons != (pod.unschedulable or {}) and decision.explanation:
+            if decision.explanation and _reasons(decision) != (pod.unschedulable or {}):
                 record_event(session, pod, now, "FailedScheduling",
                              decision.explanation.summary())
+
+
+def _reasons(decision: Decision) -> dict[str, int]:
+    return dict(decision.explanation.reasons) if decision.explanation else {}

@@ -69,8 +69,7 @@ def _tune_down(order: list[int], request: IntArray, total: int, target: float,
                rng: np.random.Generator) -> list[int]:
     """Drop random pods (keeping the order of the rest) until the total fits ``target``."""
     keep = np.ones(len(order), np.bool_)
-    alive = np.arange(len(order))
-    for position in rng.permutation(alive):
+    for position in rng.permutation(len(order)):
         if total <= target:
             break
         keep[position] = False

@@ -54,8 +54,9 @@ def pod_logs(ref: str, ctx: Ctx, caller: Caller, offset: int = Query(default=0, 
 
 
 @router.post("/{ref}/stop")
-def stop_pod(ref: str, ctx: Ctx, caller: Caller) -> PodOut:
-    return pods.stop_pod(ctx, caller, ref)
+def stop_pod(ref: str, ctx: Ctx, caller: Caller,
+             grace: float | None = Query(default=None, ge=0, le=3600)) -> PodOut:
+    return pods.stop_pod(ctx, caller, ref, grace)
 
 
 @router.post("/{ref}/start")

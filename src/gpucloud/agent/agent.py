@@ -1,0 +1,211 @@
+"""The agent process: a lease thread, an assignments long-poll thread, a worker per pod.
+
+``Agent.run`` blocks until ``stop`` (or a fatal error). Stopping leaves every container
+running: a restarted agent registers again, finds them in its state directory and adopts
+them. Registry logins are read from ``<state-dir>/registries.json``::
+
+    {"registry.example.com": {"username": "me", "password": "token"}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from gpucloud.agent.backoff import Backoff
+from gpucloud.agent.config import AgentConfig
+from gpucloud.agent.connection import AgentFailure, AgentStopped, Connection, is_transient
+from gpucloud.agent.hardware import NodeDevices, prepare_devices, registration
+from gpucloud.agent.identity import IdentityFile
+from gpucloud.agent.plan import plan
+from gpucloud.agent.podworker import NodeRuntime, PodWorker, container_id
+from gpucloud.core.errors import GpucloudError, Unauthorized
+from gpucloud.core.models import AssignmentOut
+from gpucloud.images import Credentials, ImageManager
+from gpucloud.runtime.driver import RuncDriver
+
+log = logging.getLogger(__name__)
+FINISHED_MEMORY_SECONDS = 600.0
+SHUTDOWN_JOIN_SECONDS = 5.0
+
+
+def registry_logins(state_dir: Path) -> dict[str, Credentials]:
+    """``<state-dir>/registries.json``, if present."""
+    path = state_dir / "registries.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        raise AgentFailure(f"cannot read {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise AgentFailure(f"{path} must map registries to a username and password")
+    return {str(host): Credentials(str(login["username"]), str(login["password"]))
+            for host, login in data.items()}
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.config = config
+        self.stop_event = threading.Event()
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.devices: NodeDevices = prepare_devices(config.simulate, config.name,
+                                                    config.state_dir)
+        body = registration(self.devices.hardware, join_token=config.join_token,
+                            name=config.name, labels=config.labels, address=config.address)
+        self.conn = Connection(config.server, body, IdentityFile(config.state_dir),
+                               self.stop_event, transport)
+        self.driver = RuncDriver(config.state_dir, runc=config.runc)
+        self.images = ImageManager(config.state_dir,
+                                   credentials=registry_logins(config.state_dir))
+        self.runtime = NodeRuntime(
+            conn=self.conn, driver=self.driver, images=self.images, devices=self.devices,
+            node_name=config.name, state_dir=config.state_dir, stop=self.stop_event,
+            grace_seconds=config.stop_grace_seconds,
+            watch_interval=config.watch_interval_seconds,
+        )
+        self.workers: dict[str, PodWorker] = {}
+        self.finished: dict[str, float] = {}
+        self.revision: int | None = None
+        self.error: GpucloudError | None = None
+
+    @property
+    def hardware_note(self) -> str | None:
+        return self.devices.hardware.note
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Register, then serve until ``stop``; raises AgentFailure if it cannot go on."""
+        threads: list[threading.Thread] = []
+        try:
+            self.conn.connect()
+            threads = [
+                threading.Thread(target=self._guard, args=(self._lease_loop,), name="lease",
+                                 daemon=True),
+                threading.Thread(target=self._guard, args=(self._poll_loop,),
+                                 name="assignments", daemon=True),
+            ]
+            for thread in threads:
+                thread.start()
+            self.stop_event.wait()
+        except AgentStopped:
+            pass
+        finally:
+            self.stop_event.set()
+            if not self._join(threads):
+                self.images.close()
+                self.conn.close()
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """Stop serving; containers keep running (a restarted agent adopts them)."""
+        self.stop_event.set()
+
+    def _guard(self, loop: Callable[[], None]) -> None:
+        """Run a loop; a fatal error stops the whole agent (and is raised from ``run``)."""
+        try:
+            loop()
+        except AgentStopped:
+            pass
+        except GpucloudError as error:
+            log.error("%s", error.message)
+            self.error = error
+            self.stop_event.set()
+
+    def _join(self, threads: list[threading.Thread]) -> bool:
+        """Give threads a moment to notice the stop; True if some are still busy.
+
+        The long-poll may hang on for up to ``poll_wait_seconds``; it is not waited for
+        (closing its client under it would block until it returns), as daemon threads it
+        and any slow worker end with the process.
+        """
+        deadline = time.monotonic() + SHUTDOWN_JOIN_SECONDS
+        for thread in [*threads, *(w.thread for w in self.workers.values())]:
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()) if thread.name != "assignments"
+                            else 0.05)
+        return any(t.is_alive() for t in [*threads, *(w.thread for w in self.workers.values())])
+
+    # -- the lease ----------------------------------------------------------------------
+
+    def _lease_loop(self) -> None:
+        """Renew every third of the TTL, holding the current fencing token; retry sooner
+        (but never later than that) while the server cannot be reached."""
+        backoff = Backoff()
+        delay = self.conn.lease_ttl_seconds / 3
+        while not self.stop_event.wait(delay):
+            try:
+                self.conn.renew()
+                backoff.reset()
+                delay = self.conn.lease_ttl_seconds / 3
+            except GpucloudError as error:
+                if not is_transient(error):
+                    raise
+                log.warning("lease renewal failed: %s", error.message)
+                delay = min(backoff.next_delay(), self.conn.lease_ttl_seconds / 3)
+
+    # -- assignments --------------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        backoff = Backoff()
+        while not self.stop_event.is_set():
+            try:
+                snapshot = self.conn.client.assignments(self.revision,
+                                                        self.config.poll_wait_seconds)
+            except Unauthorized:
+                self.conn.connect()
+                continue
+            except GpucloudError as error:
+                if self.stop_event.is_set():
+                    return
+                if not is_transient(error):
+                    raise
+                log.warning("fetching assignments failed: %s", error.message)
+                if backoff.wait(self.stop_event):
+                    return
+                continue
+            backoff.reset()
+            if self.stop_event.is_set():
+                return
+            self.revision = snapshot.revision
+            self.reconcile(snapshot.pods)
+
+    def reconcile(self, assigned: list[AssignmentOut]) -> None:
+        """Bring workers and containers in line with what the server assigns."""
+        self._collect()
+        containers = [p.name for p in self.driver.containers_dir.iterdir() if p.is_dir()]
+        steps = plan(assigned, self.workers.keys(), containers, self.finished.keys())
+        for assignment in steps.update:
+            self.workers[container_id(assignment.pod_id, assignment.attempt)].update(assignment)
+        for cid in steps.abandon:
+            self.workers[cid].abandon()
+        for assignment in steps.start:
+            self._spawn(container_id(assignment.pod_id, assignment.attempt), assignment)
+        for cid in steps.reap:
+            self._spawn(cid, None)
+
+    def _spawn(self, cid: str, assignment: AssignmentOut | None) -> None:
+        worker = PodWorker(self.runtime, cid, assignment)
+        self.workers[cid] = worker
+        worker.start()
+
+    def _collect(self) -> None:
+        """Forget ended workers, remembering the ones that finished their pod."""
+        now = time.monotonic()
+        for cid, worker in list(self.workers.items()):
+            if not worker.alive:
+                del self.workers[cid]
+                if worker.completed:
+                    self.finished[cid] = now
+        for cid, when in list(self.finished.items()):
+            if now - when > FINISHED_MEMORY_SECONDS:
+                del self.finished[cid]

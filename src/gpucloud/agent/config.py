@@ -1,0 +1,63 @@
+"""What an agent is started with, and the defaults shared with ``gpucloud image``."""
+
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpucloud.core.errors import InvalidInput
+from gpucloud.core.names import check_dns_label
+from gpucloud.core.settings import gpucloud_home
+
+DEFAULT_STOP_GRACE_SECONDS = 30.0
+DEFAULT_POLL_WAIT_SECONDS = 30.0
+_NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+
+
+def default_state_dir() -> Path:
+    """``$GPUCLOUD_HOME/agent``: one agent per host needs nothing more; more need their own."""
+    return gpucloud_home() / "agent"
+
+
+def default_node_name() -> str:
+    """The host name, made a DNS label (lower case, other characters as '-')."""
+    name = _NOT_LABEL.sub("-", socket.gethostname().split(".")[0].lower()).strip("-")
+    return name[:63] or "node"
+
+
+def parse_labels(pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict; InvalidInput names the malformed one."""
+    labels: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise InvalidInput("label", f"{pair!r} is not KEY=VALUE")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything an agent run depends on; timings are settable so tests can be fast.
+
+    ``stop_grace_seconds`` applies when a pod is stopped (SIGTERM, then SIGKILL after it);
+    ``poll_wait_seconds`` bounds one assignments long-poll, and so how long ``stop`` can
+    take to be noticed by the poller.
+    """
+
+    server: str
+    join_token: str
+    name: str
+    state_dir: Path
+    simulate: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    address: str | None = None
+    stop_grace_seconds: float = DEFAULT_STOP_GRACE_SECONDS
+    poll_wait_seconds: float = DEFAULT_POLL_WAIT_SECONDS
+    watch_interval_seconds: float = 0.1
+    runc: str = "/usr/bin/runc"
+
+    def __post_init__(self) -> None:
+        check_dns_label("name", self.name)

@@ -1,0 +1,127 @@
+"""Shipping a container's log to the server, incrementally, by byte offset.
+
+The server stores text and counts offsets in UTF-8 bytes of what it stored; the file holds
+whatever the container wrote. The two offsets match for valid UTF-8 and drift apart where
+invalid bytes are replaced, so both are tracked, and saved after every accepted chunk
+(``<state-dir>/logship/<container>.json``) so that a restarted agent resumes exactly where
+the server's copy ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpucloud.agent.connection import Connection
+from gpucloud.core.models import AgentLogChunkRequest
+from gpucloud.runtime.logs import read_from
+
+CHUNK_BYTES = 256 * 1024
+
+
+def _sequence_length(lead: int) -> int:
+    """How many bytes the UTF-8 sequence starting with ``lead`` has (1 when invalid)."""
+    for length, prefix, bits in ((2, 0b110, 3), (3, 0b1110, 4), (4, 0b11110, 5)):
+        if lead >> (8 - bits) == prefix:
+            return length
+    return 1
+
+
+def complete_utf8_prefix(data: bytes) -> int:
+    """The length of ``data`` without a multi-byte UTF-8 sequence cut off at its end."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: does its sequence fit?
+            return len(data) if back >= _sequence_length(byte) else len(data) - back
+    return len(data)
+
+
+@dataclass
+class Offsets:
+    file: int = 0
+    server: int = 0
+
+
+class LogShipper:
+    def __init__(self, conn: Connection, pod_id: str, log_path: Path, record: Path,
+                 attempt: int | None = None) -> None:
+        self.conn = conn
+        self.pod_id = pod_id
+        self.attempt = attempt
+        self.log_path = log_path
+        self.record = record
+        self.offsets: Offsets | None = None
+
+    def ship(self, final: bool = False) -> bool:
+        """Send what the file has beyond the server's copy; False when the server refused.
+
+        ``final``: the container has ended, so a trailing partial character is sent too.
+        """
+        if self.offsets is None and not self._sync():
+            return False
+        assert self.offsets is not None
+        while True:
+            chunk = read_from(self.log_path, self.offsets.file, CHUNK_BYTES)
+            used = len(chunk.data) if final else complete_utf8_prefix(chunk.data)
+            if used == 0:
+                return True
+            if not self._send(chunk.data[:used].decode(errors="replace"), used):
+                return False
+
+    def forget(self) -> None:
+        self.record.unlink(missing_ok=True)
+
+    def _sync(self) -> bool:
+        """Learn where the server's copy ends (an empty chunk stores nothing, returns it)."""
+        end = self._post(0, "")
+        if end is None:
+            return False
+        self.offsets = self._load()
+        self._align(end)
+        return True
+
+    def _send(self, text: str, raw_bytes: int) -> bool:
+        assert self.offsets is not None
+        expected = self.offsets.server + len(text.encode())
+        end = self._post(self.offsets.server, text)
+        if end is None:
+            return False
+        if end == expected:
+            self.offsets = Offsets(self.offsets.file + raw_bytes, end)
+            self._save()
+        else:
+            self._align(end)
+        return True
+
+    def _align(self, server_end: int) -> None:
+        """Move the file offset by as much as the server's end differs from ours (it got a
+        chunk whose acknowledgement we lost, e.g. across a restart)."""
+        assert self.offsets is not None
+        delta = server_end - self.offsets.server
+        self.offsets = Offsets(max(0, self.offsets.file + delta), server_end)
+        self._save()
+
+    def _post(self, offset: int, text: str) -> int | None:
+        return self.conn.write(
+            f"log of pod {self.pod_id}",
+            lambda client, token: client.append_log(
+                self.pod_id, AgentLogChunkRequest(fencing_token=token, attempt=self.attempt,
+                                                  offset=offset, data=text)
+            ),
+        )
+
+    def _load(self) -> Offsets:
+        try:
+            data = json.loads(self.record.read_text())
+            return Offsets(int(data["file"]), int(data["server"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return Offsets()
+
+    def _save(self) -> None:
+        assert self.offsets is not None
+        self.record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.record.with_name(f".{self.record.name}.tmp")
+        tmp.write_text(json.dumps({"file": self.offsets.file, "server": self.offsets.server}))
+        os.replace(tmp, self.record)

@@ -1,0 +1,341 @@
+"""One pod attempt on this node, from assignment to clean-up, on its own thread.
+
+A worker pulls the image (a locally imported image with the same reference is used as it
+is), prepares the root filesystem, builds the bundle and starts the container through the
+runtime — or adopts the container a previous agent process started — then watches it,
+ships its log, stops it when asked (SIGTERM, grace, SIGKILL) and reports each phase with
+the attempt number. When its pod is no longer assigned here (deleted, or moved after the
+node was Lost) it kills the container and cleans up without reporting.
+
+When the agent stops, workers return and leave their containers running; the next agent
+process adopts them (the container id encodes pod id and attempt).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpucloud.agent.connection import AgentStopped, Connection
+from gpucloud.agent.hardware import NodeDevices
+from gpucloud.agent.logship import LogShipper
+from gpucloud.client.sdk import AgentClient
+from gpucloud.core.errors import GpucloudError
+from gpucloud.core.models import AgentPodStatusRequest, AssignmentOut
+from gpucloud.core.phases import PodPhase
+from gpucloud.core.quantities import format_memory
+from gpucloud.gpu.cdi import CdiError
+from gpucloud.gpu.domain import GpuDevice
+from gpucloud.images import ImageError, ImageManager
+from gpucloud.images.manifest import ImageConfig as StoredImageConfig
+from gpucloud.runtime.bundle import ContainerSpec, ImageConfig
+from gpucloud.runtime.driver import ContainerState, ContainerStatus, RuncDriver
+from gpucloud.runtime.errors import RuntimeFailure
+from gpucloud.runtime.logs import tail
+
+log = logging.getLogger(__name__)
+MAX_REASON = 200
+MAX_MESSAGE = 4000
+LOG_TAIL_LINES = 20
+LOG_TAIL_BYTES = 4096
+_LIVE = (ContainerState.RUNNING, ContainerState.CREATING)
+
+
+@dataclass(frozen=True)
+class NodeRuntime:
+    """What every worker of one agent shares.
+
+    ``rootfs_lock`` serializes root filesystem preparation between this agent's workers:
+    the layer store's short-link step names its temporary file by process id only, so two
+    threads preparing pods of one new image at once can collide. Preparing a rootfs from
+    cached layers takes milliseconds, so the lock costs nothing measurable.
+    """
+
+    conn: Connection
+    driver: RuncDriver
+    images: ImageManager
+    devices: NodeDevices
+    node_name: str
+    state_dir: Path
+    stop: threading.Event
+    grace_seconds: float
+    watch_interval: float
+    rootfs_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    phase: PodPhase
+    exit_code: int | None = None
+    reason: str | None = None
+    message: str | None = None
+
+
+NOT_STARTED = Outcome(PodPhase.STOPPED, None, "Stopped", "stopped before it started")
+
+
+def container_id(pod_id: str, attempt: int) -> str:
+    return f"{pod_id}-{attempt}"
+
+
+def parse_container_id(name: str) -> tuple[str, int] | None:
+    pod_id, sep, attempt = name.rpartition("-")
+    return (pod_id, int(attempt)) if sep and pod_id and attempt.isdigit() else None
+
+
+def reason_line(message: str) -> str:
+    """A failure message as a pod reason: its first line, cut to what the API takes."""
+    first = message.strip().splitlines()[0] if message.strip() else "Error"
+    return first if len(first) <= MAX_REASON else first[: MAX_REASON - 1] + "…"
+
+
+def outcome_of(status: ContainerStatus, memory_bytes: int) -> Outcome:
+    """How an ended (or lost) container is reported."""
+    info = status.exit
+    if info is None:
+        return Outcome(PodPhase.FAILED, None, "ContainerLost",
+                       "the container's supervisor ended without recording how it exited")
+    if info.error:
+        return Outcome(PodPhase.FAILED, None, reason_line(info.error), info.error)
+    if info.oom_killed:
+        limit = format_memory(memory_bytes) if memory_bytes else "its limit"
+        return Outcome(PodPhase.FAILED, info.exit_code, "OOMKilled",
+                       f"the container used more memory than its limit ({limit}) and was killed")
+    if info.stop_requested:
+        how = "killed after its grace period" if info.killed_after_grace else "ended on SIGTERM"
+        return Outcome(PodPhase.STOPPED, info.exit_code, "Stopped", f"stopped by request; {how}")
+    if info.exit_code == 0:
+        return Outcome(PodPhase.SUCCEEDED, 0, "Completed")
+    message = f"killed by signal {info.signal}" if info.signal else None
+    return Outcome(PodPhase.FAILED, info.exit_code, None, message)
+
+
+def runtime_image_config(config: StoredImageConfig) -> ImageConfig:
+    return ImageConfig(entrypoint=config.entrypoint, cmd=config.cmd, env=config.env,
+                       working_dir=config.working_dir, user=config.user)
+
+
+def container_spec(assignment: AssignmentOut, gpus: tuple[GpuDevice, ...],
+                   node_name: str) -> ContainerSpec:
+    """The runtime's view of a pod. Published ports need the host's network (no CNI)."""
+    return ContainerSpec(
+        container_id=container_id(assignment.pod_id, assignment.attempt),
+        hostname=assignment.name,
+        command=tuple(assignment.command) if assignment.command else None,
+        env=dict(assignment.env), cpu_milli=assignment.cpu_milli,
+        memory_bytes=assignment.memory_bytes, gpus=gpus, host_network=bool(assignment.ports),
+        node_name=node_name,
+        labels={"pod_id": assignment.pod_id, "attempt": str(assignment.attempt),
+                "pod": assignment.name, "project": assignment.project},
+    )
+
+
+class PodWorker:
+    """Owns one container id; ``assignment`` None means: only kill and clean up."""
+
+    def __init__(self, node: NodeRuntime, cid: str, assignment: AssignmentOut | None) -> None:
+        self.node = node
+        self.cid = cid
+        self._assignment = assignment
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._abandoned = assignment is None
+        self._stop_wanted = assignment is not None and assignment.desired_state == "stopped"
+        self.reported: PodPhase | None = assignment.phase if assignment else None
+        self.completed = False
+        self.thread = threading.Thread(target=self._main, name=f"pod-{cid[:16]}", daemon=True)
+
+    # -- control, from the agent's reconcile loop ---------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    @property
+    def assignment(self) -> AssignmentOut:
+        with self._lock:
+            assert self._assignment is not None
+            return self._assignment
+
+    def update(self, assignment: AssignmentOut) -> None:
+        with self._lock:
+            self._assignment = assignment
+            if assignment.desired_state == "stopped":
+                self._stop_wanted = True
+        self._wake.set()
+
+    def abandon(self) -> None:
+        self._abandoned = True
+        self._wake.set()
+
+    # -- the worker thread --------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._run()
+            self.completed = True
+        except AgentStopped:
+            return
+        except Exception:  # a bug must not take the agent down; the log says where
+            log.exception("worker of container %s failed", self.cid)
+
+    def _run(self) -> None:
+        status = self._existing()
+        if self._abandoned:
+            self._reap(status)
+            return
+        if status is None:
+            status = self._launch()
+            if status is None:
+                return
+        self._watch(status)
+
+    def _existing(self) -> ContainerStatus | None:
+        """The container a previous agent left, if it got as far as being started."""
+        paths = self.node.driver.paths(self.cid)
+        if not paths.root.is_dir():
+            return None
+        if not paths.supervisor_pid.exists():
+            self._cleanup()  # built (or half-prepared) but never started: start afresh
+            return None
+        log.info("adopting container %s", self.cid)
+        return self.node.driver.status(self.cid)
+
+    def _launch(self) -> ContainerStatus | None:
+        """Pull, prepare, build and start; None when the pod ended before running."""
+        assignment = self.assignment
+        if self._stop_wanted:
+            self._finish(NOT_STARTED)
+            return None
+        self._advance(PodPhase.PULLING, "Pulling", f"pulling image {assignment.image}")
+        try:
+            status = self._create(assignment)
+        except ImageError as error:
+            self._fail_launch(error.reason, error.message)
+            return None
+        except (RuntimeFailure, CdiError) as error:
+            self._fail_launch(reason_line(error.message), error.message)
+            return None
+        except OSError as error:
+            self._fail_launch("ContainerCreateFailed", f"preparing the container: {error}")
+            return None
+        if status is None:
+            return None
+        self._advance(PodPhase.RUNNING, "Started", None)
+        return status
+
+    def _create(self, assignment: AssignmentOut) -> ContainerStatus | None:
+        image = self.node.images.pull(assignment.image)
+        if self._abandoned or self._stop_wanted:
+            self._cleanup()
+            if not self._abandoned:
+                self._finish(NOT_STARTED)
+            return None
+        driver = self.node.driver
+        with self.node.rootfs_lock:  # see NodeRuntime: one preparation at a time
+            rootfs = self.node.images.prepare_rootfs(image, driver.paths(self.cid).root)
+        gpus = self.node.devices.gpus(assignment.gpu_uuids)
+        spec = container_spec(assignment, gpus, self.node.node_name)
+        edits = self.node.devices.edits(gpus)
+        driver.build(spec, rootfs, runtime_image_config(image.config), edits)
+        return driver.start(self.cid)
+
+    def _stop_grace(self) -> float:
+        """The grace the user asked for at `pod stop --grace`, else the node's default."""
+        asked = self.assignment.stop_grace_seconds if self.assignment else None
+        return self.node.grace_seconds if asked is None else asked
+
+    def _fail_launch(self, reason: str, message: str) -> None:
+        self._cleanup()
+        self._finish(Outcome(PodPhase.FAILED, None, reason, message))
+
+    def _watch(self, status: ContainerStatus) -> None:
+        """Until the container ends: stop it when asked, ship its log; then report."""
+        shipper = self._shipper()
+        if status.exit is None or status.exit.started_at is not None:
+            self._advance(PodPhase.RUNNING, "Started", None)
+        signalled = False
+        while status.state in _LIVE:
+            if self.node.stop.is_set():
+                raise AgentStopped
+            if not signalled and (self._abandoned or self._stop_wanted):
+                grace = 0.0 if self._abandoned else self._stop_grace()
+                self.node.driver.stop(self.cid, grace)
+                signalled = True
+            shipper.ship()
+            self._wake.wait(self.node.watch_interval)
+            self._wake.clear()
+            status = self.node.driver.status(self.cid)
+        if not self._abandoned:
+            shipper.ship(final=True)
+            self._finish(outcome_of(status, self.assignment.memory_bytes), self._log_tail())
+        self._cleanup()
+        shipper.forget()
+
+    def _reap(self, status: ContainerStatus | None) -> None:
+        """Kill a container whose pod is not ours any more, and remove it."""
+        if status is not None and status.state in _LIVE:
+            log.info("killing container %s: its pod is no longer assigned here", self.cid)
+            self.node.driver.stop(self.cid, 0.0)
+            while self.node.driver.status(self.cid).state in _LIVE:
+                if self.node.stop.wait(self.node.watch_interval):
+                    raise AgentStopped
+        self._cleanup()
+        self._shipper().forget()
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def _advance(self, phase: PodPhase, reason: str | None, message: str | None) -> None:
+        """Report ``phase`` unless the server already has it (or is past it)."""
+        order = [PodPhase.SCHEDULED, PodPhase.PULLING, PodPhase.RUNNING]
+        if self.reported in order and order.index(self.reported) >= order.index(phase):
+            return
+        self._report(Outcome(phase, None, reason, message))
+
+    def _finish(self, outcome: Outcome, log_tail: str | None = None) -> None:
+        self._report(outcome, log_tail)
+        log.info("pod %s attempt %d: %s %s %s", self.assignment.name, self.assignment.attempt,
+                 outcome.phase, outcome.reason or "", outcome.message or "")
+
+    def _report(self, outcome: Outcome, log_tail: str | None = None) -> None:
+        assignment = self.assignment
+
+        def send(client: AgentClient, token: int) -> str:
+            request = AgentPodStatusRequest(
+                fencing_token=token, phase=outcome.phase, exit_code=outcome.exit_code,
+                reason=reason_line(outcome.reason) if outcome.reason else None,
+                message=outcome.message[:MAX_MESSAGE] if outcome.message else None,
+                log_tail=log_tail, attempt=assignment.attempt,
+            )
+            return client.report_status(assignment.pod_id, request)
+
+        what = f"{outcome.phase} of pod {assignment.name}"
+        if self.node.conn.write(what, send) is not None:
+            self.reported = outcome.phase
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _shipper(self) -> LogShipper:
+        parsed = parse_container_id(self.cid)
+        return LogShipper(self.node.conn, parsed[0] if parsed else self.cid,
+                          self.node.driver.log_path(self.cid),
+                          self.node.state_dir / "logship" / f"{self.cid}.json",
+                          attempt=parsed[1] if parsed else None)
+
+    def _log_tail(self) -> str:
+        text = tail(self.node.driver.log_path(self.cid), LOG_TAIL_LINES)
+        return text[-LOG_TAIL_BYTES:].decode(errors="replace")
+
+    def _cleanup(self) -> None:
+        """Unmount and delete the pod's root filesystem and the container's directory."""
+        bundle = self.node.driver.paths(self.cid).root
+        try:
+            self.node.images.release_rootfs(bundle)
+            self.node.driver.remove(self.cid)
+        except (GpucloudError, OSError) as error:
+            log.warning("cleaning up container %s: %s", self.cid, error)

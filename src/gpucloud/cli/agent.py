@@ -1,0 +1,91 @@
+"""`gpucloud agent`: run the node agent in the foreground until Ctrl-C or SIGTERM.
+
+Stopping the agent leaves its pods' containers running; started again with the same
+state directory, it adopts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from gpucloud.agent.agent import Agent
+from gpucloud.agent.config import (
+    DEFAULT_POLL_WAIT_SECONDS,
+    DEFAULT_STOP_GRACE_SECONDS,
+    AgentConfig,
+    default_node_name,
+    default_state_dir,
+    parse_labels,
+)
+from gpucloud.cli.common import CliError, cli_errors
+
+RUNC = "/usr/bin/runc"
+
+
+def _check_host() -> None:
+    """Containers need root and runc; say so in one line rather than fail on the first pod."""
+    if os.geteuid() != 0:
+        raise CliError("the agent runs containers with runc and needs root (run it with sudo)")
+    if shutil.which("runc") is None and not Path(RUNC).exists():
+        raise CliError("runc is not installed (Debian: apt-get install runc)")
+
+
+def _on_signal(agent: Agent) -> None:
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        agent.stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def agent(
+    server: Annotated[str, typer.Option(help="The gpucloud server's URL")],
+    join_token: Annotated[str, typer.Option(help="A join token (gpucloud node join-token)",
+                                            envvar="GPUCLOUD_JOIN_TOKEN")],
+    name: Annotated[str | None, typer.Option(help="Node name (default: the host name)")] = None,
+    state_dir: Annotated[Path | None, typer.Option(
+        help="Containers, images and the node's identity (default: $GPUCLOUD_HOME/agent)")
+    ] = None,
+    simulate: Annotated[str | None, typer.Option(
+        help="Advertise a simulated hardware profile (gpucloud gpu profiles)")] = None,
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE node label (repeatable)")
+                     ] = None,
+    address: Annotated[str | None, typer.Option(help="The address others reach this node at")
+                       ] = None,
+    stop_grace: Annotated[float, typer.Option(
+        help="Seconds between SIGTERM and SIGKILL when a pod is stopped", min=0)
+    ] = DEFAULT_STOP_GRACE_SECONDS,
+    poll_wait: Annotated[float, typer.Option(
+        help="Seconds one assignments long-poll may wait", min=0.1, max=60)
+    ] = DEFAULT_POLL_WAIT_SECONDS,
+) -> None:
+    """Run the node agent: register this host, hold its lease, run its pods."""
+    with cli_errors():
+        _check_host()
+        config = AgentConfig(
+            server=server, join_token=join_token, name=name or default_node_name(),
+            state_dir=(state_dir or default_state_dir()).resolve(), simulate=simulate,
+            labels=parse_labels(label or []), address=address, stop_grace_seconds=stop_grace,
+            poll_wait_seconds=poll_wait, runc=shutil.which("runc") or RUNC,
+        )
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        node_agent = Agent(config)
+        if node_agent.hardware_note:
+            typer.echo(node_agent.hardware_note, err=True)
+        typer.echo(f"gpucloud agent {config.name}: server {config.server}, "
+                   f"state in {config.state_dir}", err=True)
+        _on_signal(node_agent)
+        node_agent.run()
+
+
+if __name__ == "__main__":
+    typer.run(agent)

@@ -1,0 +1,25 @@
+"""pod stop grace
+
+Revision ID: 0002
+Revises: 0001
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0002"
+down_revision = "0001"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("pods", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("stop_grace_seconds", sa.Float(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("pods", schema=None) as batch_op:
+        batch_op.drop_column("stop_grace_seconds")

@@ -1,0 +1,232 @@
+"""A real cloud for end-to-end tests: the server on a thread, agents as processes.
+
+Agents are ``python -m gpucloud.cli.agent`` processes (what ``gpucloud agent`` runs), so a
+test can kill one with SIGKILL exactly as a crash would, and restart it on the same state
+directory. Every wait polls a condition against a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import uvicorn
+
+from gpucloud.api.app import create_app
+from gpucloud.client.sdk import GpucloudClient
+from gpucloud.core.models import PodOut
+from gpucloud.core.settings import Settings
+from gpucloud.images import ImageManager
+from gpucloud.images.rootfs import unmount
+from gpucloud.runtime.driver import ContainerState, RuncDriver
+from tests.fixtures.postgres import free_port
+
+ADMIN_KEY = "gpc_e2e-admin-key-0123456789"
+LEASE_TTL = 2.0
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    """Poll ``check`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.2)
+
+
+@dataclass
+class AgentProcess:
+    """One ``gpucloud agent`` process; ``start`` again after ``kill``/``terminate``."""
+
+    name: str
+    state_dir: Path
+    args: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def log(self) -> Path:
+        return self.state_dir.parent / f"{self.name}.log"
+
+    def start(self) -> AgentProcess:
+        self.starts += 1
+        with self.log.open("ab") as out:
+            out.write(f"--- start {self.starts}\n".encode())
+            out.flush()
+            self.process = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is cleaned up, the containers keep running."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(10)
+
+    def terminate(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(15)
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def driver(self) -> RuncDriver:
+        return RuncDriver(self.state_dir)
+
+
+class ServerThread:
+    """The server on a thread of the test, on a fixed port so that it can be restarted
+    (``tests.fixtures.server.live_server`` picks a new port each time)."""
+
+    def __init__(self, settings: Settings, port: int) -> None:
+        self.settings = settings
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        config = uvicorn.Config(create_app(self.settings), host="127.0.0.1", port=self.port,
+                                log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        wait_for(lambda: self._server is not None and self._server.started, 30,
+                 "the server to start")
+        httpx.get(f"{self.url}/healthz").raise_for_status()
+
+    def stop(self) -> None:
+        """Stop at once: in-flight long-polls are cut, as in a crash of the server."""
+        assert self._server is not None and self._thread is not None
+        self._server.should_exit = True
+        self._server.force_exit = True
+        self._thread.join(timeout=15)
+
+
+@dataclass
+class Cloud:
+    url: str
+    client: GpucloudClient
+    workdir: Path
+    server: ServerThread
+    agents: list[AgentProcess] = field(default_factory=list)
+
+    def agent(self, name: str, *, registries: dict[str, dict[str, str]] | None = None,
+              simulate: str = "dgx-h100", start: bool = True) -> AgentProcess:
+        state_dir = self.workdir / name
+        state_dir.mkdir(parents=True, exist_ok=True)
+        if registries:
+            (state_dir / "registries.json").write_text(json.dumps(registries))
+        token = self.client.create_join_token().token
+        args = [sys.executable, "-m", "gpucloud.cli.agent", "--server", self.url,
+                "--join-token", token, "--name", name, "--state-dir", str(state_dir),
+                "--simulate", simulate, "--stop-grace", "1", "--poll-wait", "2"]
+        agent = AgentProcess(name, state_dir, args)
+        self.agents.append(agent)
+        if start:
+            agent.start()
+            self.wait_node(name, "Ready")
+        return agent
+
+    def wait_node(self, name: str, status: str, timeout: float = 20) -> None:
+        def check() -> bool:
+            return any(n.name == name and n.status == status for n in self.client.list_nodes())
+
+        wait_for(check, timeout, f"node {name} to be {status}")
+
+    def wait_pod(self, name: str, *phases: str, timeout: float = 30) -> PodOut:
+        def check() -> PodOut | None:
+            pod = self.client.get_pod(name)
+            return pod if pod.phase in phases else None
+
+        return wait_for(check, timeout, f"pod {name} to be {' or '.join(phases)}")
+
+    def wait_log(self, name: str, needle: str, timeout: float = 20) -> str:
+        def check() -> str | None:
+            text = self.client.pod_logs(name).text
+            return text if needle in text else None
+
+        return wait_for(check, timeout, f"{needle!r} in the log of pod {name}")
+
+    def create_pod(self, name: str, image: str, command: list[str], **fields: Any) -> PodOut:
+        return self.client.create_pod({"name": name, "image": image, "command": command,
+                                       **fields})
+
+
+@contextmanager
+def running_cloud(workdir: Path, lease_ttl: float = LEASE_TTL) -> Iterator[Cloud]:
+    """A server on SQLite (short lease TTL and restart back-off); agents added on demand."""
+    settings = Settings(home=workdir / "home", database_url=f"sqlite:///{workdir / 'db.sqlite'}",
+                        admin_key=ADMIN_KEY, lease_ttl_seconds=lease_ttl,
+                        restart_backoff_seconds=0.2, restart_backoff_max_seconds=1.0)
+    server = ServerThread(settings, free_port())
+    server.start()
+    cloud = Cloud(server.url, GpucloudClient(server.url, ADMIN_KEY), workdir, server)
+    try:
+        yield cloud
+    finally:
+        for agent in cloud.agents:
+            if agent.running():
+                agent.terminate()
+            clean_node(agent.state_dir)
+        cloud.client.close()
+        server.stop()
+
+
+def clean_node(state_dir: Path) -> None:
+    """Kill and remove every container an agent left, unmount their root filesystems."""
+    if not (state_dir / "containers").is_dir():
+        return
+    driver = RuncDriver(state_dir)
+    images = ImageManager(state_dir)
+    for status in driver.containers():
+        if status.state in (ContainerState.RUNNING, ContainerState.CREATING):
+            driver.stop(status.container_id, grace_seconds=0)
+            driver.wait(status.container_id, timeout=10)
+        images.release_rootfs(driver.paths(status.container_id).root)
+        driver.remove(status.container_id)
+    images.close()
+    for mount in _mounts_under(state_dir):
+        unmount(Path(mount))
+    for parent in Path("/sys/fs/cgroup").glob(f"*/gpucloud/{driver.scope}"):
+        for directory in sorted(parent.glob("**/"), key=lambda p: len(p.parts), reverse=True):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass  # still in use, or already gone with its parent
+
+
+def _mounts_under(root: Path) -> list[str]:
+    prefix = str(root.resolve())
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    return sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True)
+
+
+def skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "end-to-end tests run containers and need root"
+    for tool, package in (("/usr/bin/runc", "runc"), ("/bin/busybox", "busybox-static"),
+                          ("/usr/bin/docker-registry", "docker-registry")):
+        if not Path(tool).exists():
+            return f"needs {tool} (Debian package {package})"
+    return None

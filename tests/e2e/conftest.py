@@ -1,0 +1,57 @@
+"""End-to-end fixtures: a registry with test images, a cloud, agents (see cluster.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpucloud.images.testing import busybox_image
+from tests.e2e.cluster import Cloud, running_cloud, skip_reason
+from tests.fixtures.registry import (  # noqa: F401 - fixtures are found by name
+    Registry,
+    basic_auth_registry,
+    corrupting_proxy,
+    registry,
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that run a cloud need root, runc and the registry; the rest run anywhere."""
+    reason = skip_reason()
+    for item in items:
+        needs = set(getattr(item, "fixturenames", ())) & {"cloud", "images", "registry"}
+        if "tests/e2e/" in str(item.fspath) and needs:
+            item.add_marker(pytest.mark.root)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@dataclass(frozen=True)
+class PushedImages:
+    """References of the images pushed for the session."""
+
+    busybox: str
+
+
+@pytest.fixture(scope="session")
+def images(registry: Registry) -> PushedImages:  # noqa: F811 - the fixture, by name
+    busybox_image().push(registry.host, "e2e/busybox:1")
+    return PushedImages(busybox=f"{registry.host}/e2e/busybox:1")
+
+
+@pytest.fixture
+def cloud(tmp_path: Path) -> Iterator[Cloud]:
+    """A fresh server (lease TTL 2 s); agents are added by the test."""
+    with running_cloud(tmp_path) as running:
+        yield running
+
+
+@pytest.fixture
+def patient_cloud(tmp_path: Path) -> Iterator[Cloud]:
+    """A fresh server whose leases outlast an agent restart on a loaded machine (15 s), for
+    tests where the node must stay Ready while its agent is briefly down."""
+    with running_cloud(tmp_path, lease_ttl=15.0) as running:
+        yield running
