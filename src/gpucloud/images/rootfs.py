@@ -22,6 +22,7 @@ import enum
 import os
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from gpucloud.images.errors import DigestMismatch, InvalidImage
@@ -184,7 +185,8 @@ class RootfsBuilder:
         link = self._root / "l" / layer_dir.name[:_LINK_ID_LENGTH]
         if not link.is_symlink():
             link.parent.mkdir(parents=True, exist_ok=True)
-            tmp = link.with_name(f".{link.name}.{os.getpid()}")
+            # Unique per thread too: two pods of a new image may prepare it at once.
+            tmp = link.with_name(f".{link.name}.{os.getpid()}.{threading.get_ident()}")
             tmp.unlink(missing_ok=True)
             tmp.symlink_to(os.path.relpath(layer_dir, link.parent))
             tmp.replace(link)
