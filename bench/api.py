@@ -34,9 +34,26 @@ ADMIN_KEY = "gpc_bench-admin-key"
 RESULTS = ROOT / "bench" / "results"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children (server workers), from /proc."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        pids += [int(c) for c in children.read_text().split()]
+    for one in pids:
+        try:
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 @contextmanager
-def running_server(database_url: str | None, workers: int) -> Iterator[str]:
-    """``gpucloud server`` in a subprocess on a free port; yields its URL."""
+def running_server(database_url: str | None, workers: int) -> Iterator[tuple[str, int]]:
+    """``gpucloud server`` in a subprocess on a free port; yields its URL and pid."""
     home = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
     env = {**os.environ, "GPUCLOUD_HOME": str(home), "GPUCLOUD_ADMIN_KEY": ADMIN_KEY}
     if database_url:
@@ -60,7 +77,7 @@ def running_server(database_url: str | None, workers: int) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process)
-        yield url
+        yield url, process.pid
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -159,10 +176,13 @@ async def load(url: str, prefix: str, pods: int, clients: int) -> dict[str, floa
 
 
 def run_backend(backend: str, pods: int, clients: int, workers: int) -> dict[str, float]:
-    with _database(backend) as database_url, running_server(database_url, workers) as url:
+    with _database(backend) as database_url, running_server(database_url, workers) as (url, pid):
         asyncio.run(load(url, "warmup", 300, clients))
+        before = cpu_seconds(pid)
         result = asyncio.run(load(url, "pod", pods, clients))
-    return {"backend": backend, "workers": workers, **result}  # type: ignore[dict-item]
+        server_cpu_ms = (cpu_seconds(pid) - before) * 1000 / pods
+    return {"backend": backend, "workers": workers, **result,
+            "server_cpu_ms_per_create": round(server_cpu_ms, 3)}
 
 
 @contextmanager

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 from types import FrameType
 from typing import Annotated
@@ -85,6 +86,20 @@ def agent(
                    f"state in {config.state_dir}", err=True)
         _on_signal(node_agent)
         node_agent.run()
+    _exit_without_waiting()
+
+
+def _exit_without_waiting() -> None:
+    """Leave at once once the agent has stopped serving.
+
+    Threads still busy (a layer download, a pod being started) would otherwise hold the
+    interpreter's exit (thread pools are joined at exit). What they leave behind is safe:
+    files are written atomically and a restarted agent adopts running containers.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin_immediate)
         return engine
-    return create_engine(url, pool_size=16, max_overflow=16, pool_pre_ping=True)
+    return create_engine(url, pool_size=16, max_overflow=16, pool_recycle=3600)
 
 
 def rows_changed(session: Session, statement: Executable) -> int:
@@ -67,15 +67,18 @@ class Database:
         with self._sessions() as session, session.begin():
             yield session
 
-    def execute_atomic(self, statement: Executable) -> None:
+    def execute_atomic(self, statement: Executable, parameters: dict[str, Any]) -> None:
         """Run one statement as its own transaction, in a single round trip on PostgreSQL
-        (autocommit: no BEGIN/COMMIT exchange)."""
-        if self.is_sqlite:
-            with self.transaction() as session:
-                session.execute(statement)
-            return
+        (autocommit: no BEGIN/COMMIT exchange). A constant ``statement`` with
+        ``parameters`` is compiled once and reused."""
         with self.engine.connect() as connection:
-            connection.execution_options(isolation_level="AUTOCOMMIT").execute(statement)
+            if self.is_sqlite:
+                with connection.begin():
+                    connection.execute(statement, parameters)
+                return
+            connection.execution_options(isolation_level="AUTOCOMMIT").execute(
+                statement, parameters
+            )
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -19,13 +19,14 @@ from gpucloud.core.models import (
 )
 from gpucloud.core.phases import ACTIVE_PHASES, TERMINAL_PHASES, PodPhase, RestartPolicy
 from gpucloud.core.quantities import format_memory
-from gpucloud.db.models import NodeModel, PodEventModel, PodLogChunkModel, PodModel
+from gpucloud.db.models import Base, NodeModel, PodEventModel, PodLogChunkModel, PodModel
 from gpucloud.scheduler import Explanation
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.projects import Principal
 
 _ACTIVE = [p.value for p in ACTIVE_PHASES]
+_INSERT_POD = insert(Base.metadata.tables[PodModel.__tablename__])
 
 
 def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
@@ -68,7 +69,7 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
     # The API's hottest write is one INSERT, atomic on its own: the creation event is
     # derived from the row (see list_events), the unique index settles duplicate names.
     try:
-        ctx.db.execute_atomic(insert(PodModel).values(row))
+        ctx.db.execute_atomic(_INSERT_POD, row)
     except IntegrityError as error:
         if _name_taken(ctx, caller, request.name):
             raise InvalidInput(
@@ -172,7 +173,7 @@ def stop_pod(ctx: ServiceContext, caller: Principal, ref: str,
             if pod.desired_state != "stopped":
                 pod.desired_state = "stopped"
                 pod.version += 1
-                record_event(session, pod, now, "StopRequested", "the node agent stops it")
+                record_event(session, pod.id, now, "StopRequested", "the node agent stops it")
                 bump_assignments(session, pod.node_id)
         else:
             raise Conflict(f"pod {pod.name!r} is not running (phase {phase})")
@@ -210,7 +211,7 @@ def delete_pod(ctx: ServiceContext, caller: Principal, ref: str) -> None:
         pod.deleted_at = now
         pod.desired_state = "deleted"
         pod.version += 1
-        record_event(session, pod, now, "Deleted")
+        record_event(session, pod.id, now, "Deleted")
         if PodPhase(pod.phase) in ACTIVE_PHASES:
             bump_assignments(session, pod.node_id)
 

@@ -21,7 +21,7 @@ from gpucloud.db.models import Base, NodeModel, PodModel
 from gpucloud.db.session import rows_changed
 from gpucloud.scheduler import Decision, GpuState, NodeState, PodRequest, Scheduler
 from gpucloud.services.context import ServiceContext, new_id
-from gpucloud.services.events import record_event
+from gpucloud.services.events import record_event, record_events
 
 LOCK_SECONDS = 30.0
 #: An unschedulable pod is looked at again after this long, or at once when capacity
@@ -44,7 +44,24 @@ class _Snapshot:
     by_name: dict[str, NodeModel]
 
 
-def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[PodModel]]:
+@dataclass(frozen=True)
+class LeasedPod:
+    """What the pass needs of a pending pod: its request, guard and previous reasons."""
+
+    id: str
+    version: int
+    gpus: float
+    gpu_type: str | None
+    cpu_milli: int
+    memory_bytes: int
+    unschedulable: dict[str, int] | None
+
+
+_LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_type,
+                   PodModel.cpu_milli, PodModel.memory_bytes, PodModel.unschedulable)
+
+
+def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
     """Take a lock on up to ``limit`` schedulable pending pods, oldest first."""
     now = ctx.clock.now()
     token = new_id()
@@ -66,14 +83,14 @@ def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[PodModel]]
                    or_(PodModel.lock_expires_at.is_(None), PodModel.lock_expires_at <= now))
             .values(lock_token=token, lock_expires_at=now + timedelta(seconds=LOCK_SECONDS))
         )
-        pods = session.scalars(
-            select(PodModel).where(PodModel.lock_token == token)
+        rows = session.execute(
+            select(*_LEASED_COLUMNS).where(PodModel.lock_token == token)
             .order_by(PodModel.created_at, PodModel.id)
         ).all()
-        return token, list(pods)
+        return token, [LeasedPod(*row) for row in rows]
 
 
-def pod_request(pod: PodModel) -> PodRequest:
+def pod_request(pod: LeasedPod) -> PodRequest:
     whole = int(pod.gpus) if pod.gpus >= 1 else 0
     share = round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0
     return PodRequest(key=pod.id, gpus=whole, gpu_milli=share, gpu_model=pod.gpu_type,
@@ -145,7 +162,7 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 256) -> Pas
     return result
 
 
-def _bind(ctx: ServiceContext, pod: PodModel, token: str, decision: Decision,
+def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
           nodes: dict[str, NodeModel], node_versions: dict[str, int]) -> bool:
     assert decision.placement is not None
     node = nodes[decision.placement.node]
@@ -172,7 +189,7 @@ def _bind(ctx: ServiceContext, pod: PodModel, token: str, decision: Decision,
             session.rollback()
             return False
         node_versions[node.name] += 1
-        record_event(session, pod, now, "Scheduled", f"bound to {node.name}",
+        record_event(session, pod.id, now, "Scheduled", f"bound to {node.name}",
                      PodPhase.PENDING.value, PodPhase.SCHEDULED.value)
     return True
 
@@ -199,7 +216,7 @@ def retry_unschedulable(session: Session) -> None:
     )
 
 
-def _release(session: Session, pod: PodModel, token: str) -> None:
+def _release(session: Session, pod: LeasedPod, token: str) -> None:
     session.execute(
         update(PodModel).where(PodModel.id == pod.id, PodModel.lock_token == token)
         .values(lock_token=None, lock_expires_at=None)
@@ -207,7 +224,7 @@ def _release(session: Session, pod: PodModel, token: str) -> None:
 
 
 def _mark_unschedulable(ctx: ServiceContext, token: str,
-                        rejected: list[tuple[PodModel, Decision]]) -> None:
+                        rejected: list[tuple[LeasedPod, Decision]]) -> None:
     """Keep the pods Pending with their reasons and release them, in one transaction and
     one executemany; an event for each pod whose reasons changed. They are looked at again
     after UNSCHEDULABLE_RETRY_SECONDS, or at once when capacity appears.
@@ -231,10 +248,12 @@ def _mark_unschedulable(ctx: ServiceContext, token: str,
              "reasons": _reasons(decision)} for pod, decision in rejected]
     with ctx.db.transaction() as session:
         session.connection().execute(statement, rows)
-        for pod, decision in rejected:
-            if decision.explanation and _reasons(decision) != (pod.unschedulable or {}):
-                record_event(session, pod, now, "FailedScheduling",
-                             decision.explanation.summary())
+        record_events(session, [
+            {"pod_id": pod.id, "time": now, "reason": "FailedScheduling",
+             "message": decision.explanation.summary()}
+            for pod, decision in rejected
+            if decision.explanation and _reasons(decision) != (pod.unschedulable or {})
+        ])
 
 
 def _reasons(decision: Decision) -> dict[str, int]:
