@@ -50,6 +50,9 @@ def registry_logins(state_dir: Path) -> dict[str, Credentials]:
             for host, login in data.items()}
 
 
+SIGNAL_CHECK_SECONDS = 0.5
+
+
 class Agent:
     def __init__(self, config: AgentConfig, *,
                  transport: httpx.BaseTransport | None = None) -> None:
@@ -95,7 +98,10 @@ class Agent:
             ]
             for thread in threads:
                 thread.start()
-            self.stop_event.wait()
+            # Wake up now and then: a SIGTERM delivered to another thread only sets a
+            # flag, and the main thread runs Python's handler when it next wakes.
+            while not self.stop_event.wait(SIGNAL_CHECK_SECONDS):
+                pass
         except AgentStopped:
             pass
         finally:

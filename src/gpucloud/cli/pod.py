@@ -112,7 +112,7 @@ def events(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
         items = client().pod_events(pod)
         emit(items, output, lambda: table(
             ["TIME", "FROM", "TO", "REASON", "MESSAGE"],
-            [[e.time.isoformat(timespec="seconds"), e.from_phase, e.to_phase, e.reason,
+            [[e.time.strftime("%Y-%m-%d %H:%M:%S"), e.from_phase, e.to_phase, e.reason,
               e.message] for e in items],
         ))
 
