@@ -3,6 +3,7 @@ background, the routers, and the error mapping."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -45,6 +46,9 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
             print(f"gpucloud: admin API key (shown once): {new_key}", flush=True)
             print(f"gpucloud: also saved to {settings.home / 'admin.key'}", flush=True)
         app.state.ctx = ctx
+        # Start-up objects (routes, schemas, the ORM) live as long as the process: keep
+        # them out of the collector's full passes, which otherwise stall requests.
+        gc.freeze()
         runner = ControllerRunner(ctx) if run_controllers else None
         app.state.controllers = runner
         if runner:

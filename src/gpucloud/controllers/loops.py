@@ -16,6 +16,7 @@ from gpucloud.services.context import ServiceContext
 
 log = logging.getLogger(__name__)
 LEADER_TTL_SECONDS = 15.0
+LEADER_RENEW_BEFORE = timedelta(seconds=LEADER_TTL_SECONDS / 2)
 MIN_GAP_SECONDS = 0.1
 
 
@@ -68,6 +69,7 @@ class ControllerRunner:
         self.interval = interval_seconds or ctx.settings.scheduler_interval_seconds
         self.scheduling = SchedulingController(ctx)
         self.leases = NodeLeaseController(ctx)
+        self._leader_until: datetime | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="controllers", daemon=True)
@@ -85,9 +87,21 @@ class ControllerRunner:
         self._thread.join(timeout=10)
 
     def run_once(self) -> None:
-        if leadership.acquire(self.ctx, "controllers", self.holder, LEADER_TTL_SECONDS):
+        if self._is_leader():
             self.leases.tick()
             self.scheduling.tick()
+
+    def _is_leader(self) -> bool:
+        """Hold the controllers' lease, renewing it once half of it has run out (not on
+        every pass: passes come every 0.1 s while pods arrive)."""
+        now = self.ctx.clock.now()
+        if self._leader_until is not None and now < self._leader_until - LEADER_RENEW_BEFORE:
+            return True
+        if leadership.acquire(self.ctx, "controllers", self.holder, LEADER_TTL_SECONDS):
+            self._leader_until = now + timedelta(seconds=LEADER_TTL_SECONDS)
+            return True
+        self._leader_until = None
+        return False
 
     def _run(self) -> None:
         while not self._stop.is_set():
