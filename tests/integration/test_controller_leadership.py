@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from gpucloud.controllers.loops import LEADER_TTL_SECONDS, ControllerRunner
 from gpucloud.core.clock import ManualClock
-from gpucloud.core.settings import Settings
-from gpucloud.db.migrate import upgrade
 from gpucloud.db.models import ControllerLeaseModel
-from gpucloud.db.session import Database
 from gpucloud.services.context import ServiceContext
 
 
-def test_one_leader_at_a_time_and_takeover_after_expiry(tmp_path: Path) -> None:
-    db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    upgrade(db.engine)
-    clock = ManualClock()
-    ctx = ServiceContext(db=db, clock=clock,
-                         settings=Settings(home=tmp_path, database_url=db.url))
+def test_one_leader_at_a_time_and_takeover_after_expiry(ctx: ServiceContext,
+                                                        clock: ManualClock) -> None:
+    db = ctx.db
     first, second = ControllerRunner(ctx), ControllerRunner(ctx)
     assert first._is_leader() and not second._is_leader()
     with db.transaction() as session:
@@ -33,4 +25,3 @@ def test_one_leader_at_a_time_and_takeover_after_expiry(tmp_path: Path) -> None:
         assert session.get_one(ControllerLeaseModel, "controllers").token == token + 1
     clock.advance(LEADER_TTL_SECONDS + 1)
     assert second._is_leader() and not first._is_leader()
-    db.dispose()
