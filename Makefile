@@ -16,6 +16,9 @@ $(BIN)/.installed: pyproject.toml
 
 up: $(BIN)/.installed
 	scripts/ensure-packages.sh $(RUN_PACKAGES)
+	@ln -sfn "$(CURDIR)/$(BIN)/gpucloud" /usr/local/bin/gpucloud 2>/dev/null \
+		&& echo "the gpucloud command: /usr/local/bin/gpucloud -> $(CURDIR)/$(BIN)/gpucloud" \
+		|| echo "to use the gpucloud command, add $(CURDIR)/$(BIN) to your PATH"
 	$(BIN)/gpucloud up
 
 test: $(BIN)/.installed
