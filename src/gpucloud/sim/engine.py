@@ -1,10 +1,11 @@
 """The FGD paper's protocol ("openb" experiments), run on the scheduler library.
 
-For each seed: only GPU nodes; each GPU is 1000 milli; pods are drawn at random with
-replacement from the pod list until the arrived GPU request reaches ``tune`` x capacity;
-pods arrive one by one, never leave, are tried once and dropped if nothing fits. The metric
-is the share of cluster GPU allocated when the arrived GPU request reaches a given % of
-capacity; the headline is unallocated GPU % at arrived = 100 %.
+For each seed: only GPU nodes; each GPU is 1000 milli; the pod list arrives shuffled,
+followed by pods drawn at random with replacement until the arrived GPU request reaches
+``tune`` x capacity (the reference simulator's workload tuning); pods arrive one by one,
+never leave, are tried once and dropped if nothing fits. The metric is the share of
+cluster GPU allocated when the arrived GPU request reaches a given % of capacity; the
+headline is unallocated GPU % at arrived = 100 %.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from .builders import node
 
 def _pods(*shapes: tuple[int, int, int, int]) -> list[PodRequest]:
     """(count, whole GPUs, milli share, CPU milli) -> that many pods."""
-    out = []
+    out: list[PodRequest] = []
     for count, whole, milli, cpu in shapes:
         out += [PodRequest(f"p{len(out) + i}", gpus=whole, gpu_milli=milli, cpu_milli=cpu)
                 for i in range(count)]
