@@ -131,7 +131,8 @@ class Cloud:
     agents: list[AgentProcess] = field(default_factory=list)
 
     def agent(self, name: str, *, registries: dict[str, dict[str, str]] | None = None,
-              simulate: str = "dgx-h100", start: bool = True) -> AgentProcess:
+              simulate: str = "dgx-h100", start: bool = True,
+              address: str | None = None) -> AgentProcess:
         state_dir = self.workdir / name
         state_dir.mkdir(parents=True, exist_ok=True)
         if registries:
@@ -139,7 +140,8 @@ class Cloud:
         token = self.client.create_join_token().token
         args = [sys.executable, "-m", "gpucloud.cli.agent", "--server", self.url,
                 "--join-token", token, "--name", name, "--state-dir", str(state_dir),
-                "--simulate", simulate, "--stop-grace", "1", "--poll-wait", "2"]
+                "--simulate", simulate, "--stop-grace", "1", "--poll-wait", "2",
+                *(["--address", address] if address else [])]
         agent = AgentProcess(name, state_dir, args)
         self.agents.append(agent)
         if start:

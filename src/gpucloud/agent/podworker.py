@@ -7,6 +7,9 @@ ships its log, stops it when asked (SIGTERM, grace, SIGKILL) and reports each ph
 the attempt number. When its pod is no longer assigned here (deleted, or moved after the
 node was Lost) it kills the container and cleans up without reporting.
 
+A job's member (``assignment.barrier``) is only created; the worker reports it ready and
+starts its command once the server releases the gang's start barrier.
+
 When the agent stops, workers return and leave their containers running; the next agent
 process adopts them (the container id encodes pod id and attempt).
 """
@@ -23,6 +26,7 @@ from gpucloud.agent.hardware import NodeDevices
 from gpucloud.agent.logship import LogShipper
 from gpucloud.client.sdk import AgentClient
 from gpucloud.core.errors import GpucloudError
+from gpucloud.core.jobs import AgentPodReadyRequest
 from gpucloud.core.models import AgentPodStatusRequest, AssignmentOut
 from gpucloud.core.phases import PodPhase
 from gpucloud.core.quantities import format_memory
@@ -119,13 +123,15 @@ def runtime_image_config(config: StoredImageConfig) -> ImageConfig:
 
 def container_spec(assignment: AssignmentOut, gpus: tuple[GpuDevice, ...],
                    node_name: str) -> ContainerSpec:
-    """The runtime's view of a pod. Published ports need the host's network (no CNI)."""
+    """The runtime's view of a pod. Published ports need the host's network (no CNI), and
+    so do a job's members (they reach each other by their nodes' addresses)."""
     return ContainerSpec(
         container_id=container_id(assignment.pod_id, assignment.attempt),
         hostname=assignment.name,
         command=tuple(assignment.command) if assignment.command else None,
         env=dict(assignment.env), cpu_milli=assignment.cpu_milli,
-        memory_bytes=assignment.memory_bytes, gpus=gpus, host_network=bool(assignment.ports),
+        memory_bytes=assignment.memory_bytes, gpus=gpus,
+        host_network=bool(assignment.ports) or assignment.host_network,
         node_name=node_name,
         labels={"pod_id": assignment.pod_id, "attempt": str(assignment.attempt),
                 "pod": assignment.name, "project": assignment.project},
@@ -193,6 +199,8 @@ class PodWorker:
             status = self._launch()
             if status is None:
                 return
+        elif self._gated(status):  # adopted while waiting at the start barrier
+            status = self._pass_barrier()
         self._watch(status)
 
     def _existing(self) -> ContainerStatus | None:
@@ -226,7 +234,10 @@ class PodWorker:
             return None
         if status is None:
             return None
-        self._advance(PodPhase.RUNNING, "Started", None)
+        if self._gated(status):
+            status = self._pass_barrier()
+        if status.state is not ContainerState.CREATING:
+            self._advance(PodPhase.RUNNING, "Started", None)
         return status
 
     def _create(self, assignment: AssignmentOut) -> ContainerStatus | None:
@@ -243,7 +254,36 @@ class PodWorker:
         spec = container_spec(assignment, gpus, self.node.node_name)
         edits = self.node.devices.edits(gpus)
         driver.build(spec, rootfs, runtime_image_config(image.config), edits)
-        return driver.start(self.cid)
+        return driver.create(self.cid) if assignment.barrier else driver.start(self.cid)
+
+    # -- the start barrier of a job's members -------------------------------------------
+
+    def _gated(self, status: ContainerStatus) -> bool:
+        """A member's container created but not released yet."""
+        return (status.state is ContainerState.CREATING and self.assignment.barrier
+                and not self.node.driver.paths(self.cid).start_release.exists())
+
+    def _pass_barrier(self) -> ContainerStatus:
+        """Report ready, wait for the server's release (or a stop), then start."""
+        self._report_ready()
+        while not self.assignment.barrier_released:
+            if self.node.stop.is_set():
+                raise AgentStopped
+            if self._abandoned or self._stop_wanted:
+                return self.node.driver.status(self.cid)  # _watch stops it
+            self._wake.wait(self.node.watch_interval)
+            self._wake.clear()
+        return self.node.driver.release(self.cid)
+
+    def _report_ready(self) -> None:
+        assignment = self.assignment
+
+        def send(client: AgentClient, token: int) -> None:
+            client.report_ready(assignment.pod_id,
+                                AgentPodReadyRequest(fencing_token=token,
+                                                     attempt=assignment.attempt))
+
+        self.node.conn.write(f"ready of pod {assignment.name}", send)
 
     def _stop_grace(self) -> float:
         """The grace the user asked for at `pod stop --grace`, else the node's default."""
@@ -257,7 +297,8 @@ class PodWorker:
     def _watch(self, status: ContainerStatus) -> None:
         """Until the container ends: stop it when asked, ship its log; then report."""
         shipper = self._shipper()
-        if status.exit is None or status.exit.started_at is not None:
+        if status.state is not ContainerState.CREATING and (
+                status.exit is None or status.exit.started_at is not None):
             self._advance(PodPhase.RUNNING, "Started", None)
         signalled = False
         while status.state in _LIVE:

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from gpucloud import __version__
 from gpucloud.api import errors
-from gpucloud.api.routers import agent, nodes, pods, projects
+from gpucloud.api.routers import agent, jobs, nodes, pods, projects
 from gpucloud.controllers.loops import ControllerRunner
 from gpucloud.core.clock import Clock, SystemClock
 from gpucloud.core.settings import Settings
@@ -67,6 +67,6 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    for module in (projects, nodes, agent, pods):
+    for module in (projects, nodes, agent, pods, jobs):
         app.include_router(module.router)
     return app

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from gpucloud.cli import agent as agent_cli
-from gpucloud.cli import bench, gpu, image, node, pod, project, server, sim, up
+from gpucloud.cli import bench, gpu, image, job, node, pod, project, server, sim, up
 
 app = typer.Typer(
     help="gpucloud: a self-hosted GPU cloud.",
@@ -23,6 +23,7 @@ app.add_typer(project.project_app, name="project")
 app.add_typer(project.key_app, name="key")
 app.add_typer(node.app, name="node")
 app.add_typer(pod.app, name="pod")
+app.add_typer(job.app, name="job")
 app.add_typer(gpu.app, name="gpu")
 app.add_typer(image.app, name="image")
 app.add_typer(sim.app, name="sim")

@@ -21,6 +21,13 @@ from gpucloud.core.errors import (
     StaleFencingToken,
     Unauthorized,
 )
+from gpucloud.core.jobs import (
+    AgentPodReadyRequest,
+    JobCreateRequest,
+    JobLogsOut,
+    JobOut,
+    JobWhyOut,
+)
 from gpucloud.core.models import (
     AgentLogChunkRequest,
     AgentPodStatusRequest,
@@ -178,6 +185,29 @@ class GpucloudClient(_Base):
     def delete_pod(self, ref: str) -> None:
         self._call("DELETE", f"/v1/pods/{ref}")
 
+    # jobs
+    def create_job(self, request: JobCreateRequest | dict[str, Any]) -> JobOut:
+        body = _body(request) if isinstance(request, BaseModel) else request
+        return self._typed(JobOut, "POST", "/v1/jobs", json=body)
+
+    def list_jobs(self) -> list[JobOut]:
+        return self._typed(list[JobOut], "GET", "/v1/jobs")
+
+    def get_job(self, ref: str) -> JobOut:
+        return self._typed(JobOut, "GET", f"/v1/jobs/{ref}")
+
+    def job_why(self, ref: str) -> JobWhyOut:
+        return self._typed(JobWhyOut, "GET", f"/v1/jobs/{ref}/why")
+
+    def job_logs(self, ref: str) -> JobLogsOut:
+        return self._typed(JobLogsOut, "GET", f"/v1/jobs/{ref}/logs")
+
+    def stop_job(self, ref: str) -> JobOut:
+        return self._typed(JobOut, "POST", f"/v1/jobs/{ref}/stop")
+
+    def delete_job(self, ref: str) -> None:
+        self._call("DELETE", f"/v1/jobs/{ref}")
+
 
 class AgentClient(_Base):
     """The node agent's side of the protocol; authenticated with the node token."""
@@ -200,6 +230,10 @@ class AgentClient(_Base):
     def report_status(self, pod_id: str, report: AgentPodStatusRequest) -> str:
         body = self._call("POST", f"/v1/agent/pods/{pod_id}/status", json=_body(report))
         return str(body["phase"])
+
+    def report_ready(self, pod_id: str, report: AgentPodReadyRequest) -> None:
+        """A job member's container is created and waits at the start barrier."""
+        self._call("POST", f"/v1/agent/pods/{pod_id}/ready", json=_body(report))
 
     def append_log(self, pod_id: str, chunk: AgentLogChunkRequest) -> int:
         body = self._call("POST", f"/v1/agent/pods/{pod_id}/logs", json=_body(chunk))

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from sqlalchemy.exc import OperationalError
 
 from gpucloud.scheduler import Scheduler
-from gpucloud.services import leadership, nodes, scheduling
+from gpucloud.services import gangs, leadership, nodes, scheduling
 from gpucloud.services.context import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,21 @@ class SchedulingController:
 
     def tick(self) -> scheduling.PassResult:
         return scheduling.run_pass(self.ctx, self.scheduler)
+
+
+class JobController:
+    """Jobs as gangs: reconcile the started ones (barrier, failures, restarts), then place
+    queued ones whole (see ``services.gangs``)."""
+
+    name = "jobs"
+
+    def __init__(self, ctx: ServiceContext, scheduler: Scheduler | None = None) -> None:
+        self.ctx = ctx
+        self.scheduler = scheduler or Scheduler(ctx.settings.scheduler_profile)
+
+    def tick(self) -> gangs.JobPassResult:
+        gangs.reconcile(self.ctx)
+        return gangs.run_pass(self.ctx, self.scheduler)
 
 
 class NodeLeaseController:
@@ -69,6 +84,7 @@ class ControllerRunner:
         self.interval = interval_seconds or ctx.settings.scheduler_interval_seconds
         self.scheduling = SchedulingController(ctx)
         self.leases = NodeLeaseController(ctx)
+        self.jobs = JobController(ctx, self.scheduling.scheduler)
         self._leader_until: datetime | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -89,6 +105,7 @@ class ControllerRunner:
     def run_once(self) -> None:
         if self._is_leader():
             self.leases.tick()
+            self.jobs.tick()
             self.scheduling.tick()
 
     def _is_leader(self) -> bool:

@@ -37,17 +37,16 @@ def _reraise(field: str, error: InvalidInput) -> ValueError:
     return ValueError(error.message.removeprefix(f"{field}: "))
 
 
-class PodCreateRequest(_Request):
+class ContainerRequest(_Request):
+    """What pods and jobs share: name, image, command, resources and environment."""
+
     name: str
     image: str
     command: list[str] = Field(default_factory=list)
-    gpus: float = 0
     gpu_type: str | None = None
     cpu: float | str = 1
     memory: int | str = "1Gi"
     env: dict[str, str] = Field(default_factory=dict)
-    ports: list[str] = Field(default_factory=list)
-    restart: RestartPolicy = RestartPolicy.NEVER
 
     @field_validator("name")
     @classmethod
@@ -71,19 +70,6 @@ class PodCreateRequest(_Request):
     def _command(cls, value: list[str]) -> list[str]:
         if len(value) > MAX_COMMAND_ARGS:
             raise ValueError(f"at most {MAX_COMMAND_ARGS} arguments")
-        return value
-
-    @field_validator("gpus")
-    @classmethod
-    def _gpus(cls, value: float) -> float:
-        if value < 0:
-            raise ValueError("must not be negative")
-        if value > MAX_GPUS_PER_POD:
-            raise ValueError(f"must be at most {MAX_GPUS_PER_POD}")
-        if value > 1 and value != int(value):
-            raise ValueError("a fraction of a GPU is allowed only below 1 (e.g. 0.5)")
-        if 0 < value < 1 and round(value * 1000) < 1:
-            raise ValueError("a GPU share must be at least 0.001")
         return value
 
     @field_validator("gpu_type")
@@ -129,6 +115,33 @@ class PodCreateRequest(_Request):
                 raise ValueError(f"{key!r} is not a valid variable name")
         return value
 
+    @property
+    def cpu_milli(self) -> int:
+        return parse_cpu_milli("cpu", self.cpu)
+
+    @property
+    def memory_bytes(self) -> int:
+        return parse_memory("memory", self.memory)
+
+
+class PodCreateRequest(ContainerRequest):
+    gpus: float = 0
+    ports: list[str] = Field(default_factory=list)
+    restart: RestartPolicy = RestartPolicy.NEVER
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must not be negative")
+        if value > MAX_GPUS_PER_POD:
+            raise ValueError(f"must be at most {MAX_GPUS_PER_POD}")
+        if value > 1 and value != int(value):
+            raise ValueError("a fraction of a GPU is allowed only below 1 (e.g. 0.5)")
+        if 0 < value < 1 and round(value * 1000) < 1:
+            raise ValueError("a GPU share must be at least 0.001")
+        return value
+
     @field_validator("ports")
     @classmethod
     def _ports(cls, value: list[str]) -> list[str]:
@@ -139,14 +152,6 @@ class PodCreateRequest(_Request):
                 raise ValueError(f"{port!r} is not PORT[/http|tcp|udp] with 1 <= PORT <= 65535")
             normalized.append(f"{int(match.group(1))}/{match.group(2) or 'tcp'}")
         return normalized
-
-    @property
-    def cpu_milli(self) -> int:
-        return parse_cpu_milli("cpu", self.cpu)
-
-    @property
-    def memory_bytes(self) -> int:
-        return parse_memory("memory", self.memory)
 
     @property
     def whole_gpus(self) -> int:
@@ -180,6 +185,9 @@ class PodOut(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     ports: list[str] = Field(default_factory=list)
     restart: RestartPolicy = RestartPolicy.NEVER
+    #: Set on the members of a job (``gpucloud job``): the job's id and the member's rank.
+    job_id: str | None = None
+    rank: int | None = None
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None
@@ -292,6 +300,12 @@ class AssignmentOut(BaseModel):
     gpu_milli: int = 0
     #: SIGTERM-to-SIGKILL grace asked for by `pod stop --grace`; None: the agent's default.
     stop_grace_seconds: float | None = None
+    #: Share the host's network namespace (members of a job: rendezvous between nodes).
+    host_network: bool = False
+    #: Start barrier (job members): create the container, report it ready
+    #: (``POST /v1/agent/pods/{id}/ready``) and start its command only once released.
+    barrier: bool = False
+    barrier_released: bool = False
 
 
 class AssignmentsOut(BaseModel):

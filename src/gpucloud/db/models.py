@@ -145,6 +145,70 @@ class PodModel(Base):
     lock_token: Mapped[str | None] = mapped_column(String(32))
     lock_expires_at: Mapped[datetime | None]
     version: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: Members of a job: the job, the member's rank, and when its container reported
+    #: ready at the start barrier (this attempt).
+    job_id: Mapped[str | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    ready_at: Mapped[datetime | None]
+
+
+class JobModel(Base):
+    """A gang of ``num_nodes`` member pods (``PodModel.job_id``/``rank``).
+
+    ``gang_state`` is the controller's view: ``queued`` (members Pending, to be placed
+    together), ``starting`` (bound, waiting at the start barrier since ``scheduled_at``),
+    ``running`` (barrier released), ``stopping`` (members being stopped; ``teardown`` says
+    what follows: ``restart``, ``requeue`` or ``stop``), ``ended``.
+    """
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index(
+            "uq_jobs_project_name_live",
+            "project_id",
+            "name",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+        Index("ix_jobs_state_created", "gang_state", "created_at"),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    phase: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(200))
+    message: Mapped[str | None] = mapped_column(Text)
+    desired_state: Mapped[str] = mapped_column(String(16), default="running")
+    gang_state: Mapped[str] = mapped_column(String(16))
+    teardown: Mapped[str | None] = mapped_column(String(16))
+    image: Mapped[str] = mapped_column(String(255))
+    command: Mapped[list[str]] = mapped_column(JSON)
+    env: Mapped[dict[str, str]] = mapped_column(JSON)
+    num_nodes: Mapped[int] = mapped_column(Integer)
+    gpus_per_node: Mapped[int] = mapped_column(Integer)
+    gpu_type: Mapped[str | None] = mapped_column(String(64))
+    cpu_milli: Mapped[int] = mapped_column(BigInteger)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    topology: Mapped[str] = mapped_column(String(16))
+    priority_class: Mapped[str | None] = mapped_column(String(63))
+    max_restarts: Mapped[int] = mapped_column(Integer, default=0)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    ready_timeout_seconds: Mapped[float] = mapped_column(Float)
+    ready_timeouts: Mapped[int] = mapped_column(Integer, default=0)
+    scheduled_at: Mapped[datetime | None]
+    barrier_released_at: Mapped[datetime | None]
+    not_before: Mapped[datetime | None]
+    unschedulable: Mapped[dict[str, int] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    deleted_at: Mapped[datetime | None]
+    lock_token: Mapped[str | None] = mapped_column(String(32))
+    lock_expires_at: Mapped[datetime | None]
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class PodEventModel(Base):

@@ -156,13 +156,35 @@ class RuncDriver:
 
         Raises RuncError with runc's message when the container cannot start.
         """
+        return self._supervise(container_id, gated=False)
+
+    def create(self, container_id: str) -> ContainerStatus:
+        """Create a built container (state CREATING) whose command waits for ``release``:
+        the start barrier of a job's members. Raises RuncError like ``start``."""
+        return self._supervise(container_id, gated=True)
+
+    def release(self, container_id: str) -> ContainerStatus:
+        """Let a created container's command start; return once it runs (or ended)."""
+        paths = self.paths(container_id)
+        write_json_atomic(paths.start_release, {"released_at": time.time()})
+        deadline = time.monotonic() + self.start_timeout
+        delay = 0.005
+        while True:
+            status = self.status(container_id)
+            if status.state is not ContainerState.CREATING or time.monotonic() > deadline:
+                return status
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def _supervise(self, container_id: str, gated: bool) -> ContainerStatus:
         paths = self.paths(container_id)
         if not paths.config.exists():
             raise NotFound(f"container {container_id} has no bundle")
         if paths.supervisor_pid.exists():
             raise Conflict(f"container {container_id} was already started")
         command = [self.python, "-m", "gpucloud.runtime.supervisor", "--runc", self.runc,
-                   "--root", str(self.runc_root), str(paths.root)]
+                   "--root", str(self.runc_root), *(["--gated"] if gated else []),
+                   str(paths.root)]
         try:
             # cwd "/": ``python -m`` puts the working directory first on sys.path.
             result = subprocess.run(command, capture_output=True, text=True, check=False,
@@ -170,7 +192,7 @@ class RuncDriver:
         except subprocess.TimeoutExpired:
             raise RuncError(f"container {container_id} did not start in time") from None
         line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-        if not line.startswith("started"):
+        if not line.startswith("created" if gated else "started"):
             detail = line.removeprefix("error: ") or result.stderr.strip() or "unknown error"
             if not line.startswith("error: "):
                 detail += f" (see {paths.supervisor_log})"

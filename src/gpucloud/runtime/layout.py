@@ -10,6 +10,7 @@
         supervisor.pid              the supervisor process, written by itself
         supervisor.log              the supervisor's own diagnostics
         runc.log                    runc's JSON log (errors of create/start/delete)
+        start.release               created by the agent to start a gated container
         started.json                written once the container's process runs
         stop.json                   a stop request (grace period), read by the supervisor
         exit.json                   the exit record, written once by the supervisor
@@ -72,6 +73,11 @@ class ContainerPaths:
     @property
     def runc_log(self) -> Path:
         return self.root / "runc.log"
+
+    @property
+    def start_release(self) -> Path:
+        """Its appearance lets a gated supervisor ``runc start`` (the job start barrier)."""
+        return self.root / "start.release"
 
     @property
     def started(self) -> Path:

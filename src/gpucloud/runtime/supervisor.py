@@ -8,7 +8,9 @@ and detached from it (fork + setsid, so it survives the agent):
    container's stdout and stderr (runc passes them through to the container's PID 1, so
    output keeps flowing to the file whatever happens to the agent or to this process);
    once runc create exits, the container's PID 1 is re-parented to this process;
-2. it brings up loopback in a private network namespace, then ``runc start``;
+2. it brings up loopback in a private network namespace, then ``runc start``; a *gated*
+   supervisor (``--gated``, the start barrier of jobs) first reports ``created PID`` and
+   waits for ``start.release`` (or a stop request) before starting the command;
 3. it waits for PID 1 with ``waitpid`` (an exact exit status), reads the memory cgroup's
    OOM counter before the cgroup goes away, writes ``exit.json``, and ``runc delete``s.
 
@@ -17,7 +19,7 @@ SIGKILL when the grace period ends. SIGTERM, SIGINT and SIGHUP are ignored so th
 the agent's process group does not take pods down. Only the standard library and the two
 stdlib-only runtime modules are imported, to keep start-up fast.
 
-Usage: python -m gpucloud.runtime.supervisor --runc PATH --root DIR CONTAINER_DIR
+Usage: python -m gpucloud.runtime.supervisor --runc PATH --root DIR [--gated] CONTAINER_DIR
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 DEFAULT_GRACE_SECONDS = 30.0
 RUNC_TIMEOUT_SECONDS = 120.0
+RELEASE_POLL_SECONDS = 0.05
 
 
 class SupervisorError(Exception):
@@ -219,8 +222,17 @@ class Supervisor:
             return
         self._runc("start", self.paths.container_id)
 
-    def run(self, report: int) -> int:
-        """Create, start and wait for the container; ``report`` receives one status line."""
+    def _await_release(self) -> None:
+        """Hold a created container until the agent releases it or a stop arrives.
+
+        A file, not a signal, so that a release written while the agent restarts (or
+        before this process looks) is never missed."""
+        while not self.paths.start_release.exists() and not self.stop_requested:
+            time.sleep(RELEASE_POLL_SECONDS)
+
+    def run(self, report: int, gated: bool = False) -> int:
+        """Create, start and wait for the container; ``report`` receives one status line
+        (``created PID`` as soon as it is created when ``gated``, else ``started PID``)."""
         if ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             _log("cannot become a child subreaper; exit status will not be exact")
         self.install_signal_handlers()
@@ -233,6 +245,10 @@ class Supervisor:
             return self._report(report, f"error: {error}", 1)
         self.container_pid = pid
         memory_dir = memory_cgroup_dir(pid)
+        if gated:
+            self._report(report, f"created {pid}", 0)
+            report = -1  # the one status line went out: later ones are not written
+            self._await_release()
         started_at = time.time()
         try:
             self._start(pid)
@@ -261,6 +277,9 @@ class Supervisor:
 
     @staticmethod
     def _report(fd: int, line: str, code: int) -> int:
+        """Write the one status line and close ``fd``; a second call writes nothing."""
+        if fd < 0:
+            return code
         try:
             os.write(fd, (line.replace("\n", " ") + "\n").encode())
             os.close(fd)
@@ -292,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpucloud-supervisor")
     parser.add_argument("--runc", default="/usr/bin/runc")
     parser.add_argument("--root", required=True, type=Path)
+    parser.add_argument("--gated", action="store_true",
+                        help="report 'created' and wait for start.release before starting")
     parser.add_argument("container_dir", type=Path)
     args = parser.parse_args(argv)
     paths = ContainerPaths(args.container_dir.resolve())
@@ -301,10 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         with os.fdopen(read_end, "rb") as pipe:
             line = pipe.read().decode(errors="replace").strip()
         print(line or "error: supervisor ended without reporting")
-        return 0 if line.startswith("started") else 1
+        return 0 if line.startswith(("started", "created")) else 1
     os.close(read_end)
     _detach(paths)
-    return Supervisor(paths, args.runc, args.root).run(write_end)
+    return Supervisor(paths, args.runc, args.root).run(write_end, gated=args.gated)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from gpucloud.core.phases import (
     RestartPolicy,
     should_restart,
 )
-from gpucloud.db.models import NodeModel, PodLogChunkModel, PodModel, ProjectModel
+from gpucloud.db.models import JobModel, NodeModel, PodLogChunkModel, PodModel, ProjectModel
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import transition
 from gpucloud.services.nodes import check_fencing
@@ -45,25 +45,30 @@ def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
     with ctx.db.transaction() as session:
         node = session.get_one(NodeModel, node_id)
         rows = session.execute(
-            select(PodModel, ProjectModel.name)
+            select(PodModel, ProjectModel.name, JobModel.barrier_released_at)
             .join(ProjectModel, ProjectModel.id == PodModel.project_id)
+            .outerjoin(JobModel, JobModel.id == PodModel.job_id)
             .where(PodModel.node_id == node_id, PodModel.phase.in_(_ACTIVE),
                    PodModel.deleted_at.is_(None))
             .order_by(PodModel.created_at)
         ).all()
-        pods = [_assignment(pod, project) for pod, project in rows]
+        pods = [_assignment(pod, project, released is not None)
+                for pod, project, released in rows]
         return AssignmentsOut(revision=node.assignments_revision,
                               fencing_token=node.fencing_token, pods=pods)
 
 
-def _assignment(pod: PodModel, project: str) -> AssignmentOut:
+def _assignment(pod: PodModel, project: str, barrier_released: bool) -> AssignmentOut:
+    """A job's members share the host network and wait at the start barrier."""
+    member = pod.job_id is not None
     return AssignmentOut(
         pod_id=pod.id, name=pod.name, project=project, attempt=pod.attempt,
         desired_state=pod.desired_state, phase=PodPhase(pod.phase), image=pod.image,
         command=pod.command, env=pod.env, ports=pod.ports, cpu_milli=pod.cpu_milli,
         memory_bytes=pod.memory_bytes, gpu_uuids=pod.gpu_uuids,
         gpu_milli=round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0,
-        stop_grace_seconds=pod.stop_grace_seconds,
+        stop_grace_seconds=pod.stop_grace_seconds, host_network=member, barrier=member,
+        barrier_released=member and barrier_released,
     )
 
 

@@ -37,7 +37,8 @@ def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
         desired_state=pod.desired_state, image=pod.image, command=pod.command, gpus=pod.gpus,
         gpu_type=pod.gpu_type, cpu=pod.cpu_milli / 1000, memory=format_memory(pod.memory_bytes),
         memory_bytes=pod.memory_bytes, env=pod.env, ports=pod.ports,
-        restart=RestartPolicy(pod.restart_policy), created_at=pod.created_at,
+        restart=RestartPolicy(pod.restart_policy), job_id=pod.job_id, rank=pod.rank,
+        created_at=pod.created_at,
         updated_at=pod.updated_at, started_at=pod.started_at, finished_at=pod.finished_at,
     )
 
@@ -102,6 +103,13 @@ def _find(session: Session, caller: Principal, ref: str) -> PodModel:
     return pod
 
 
+def _not_a_member(pod: PodModel) -> None:
+    """Members of a job are controlled through their job, never one by one."""
+    if pod.job_id is not None:
+        raise Conflict(f"pod {pod.name!r} is member {pod.rank} of a job; use `gpucloud job` "
+                       "to stop or delete it")
+
+
 def _node_name(session: Session, node_id: str | None) -> str | None:
     if node_id is None:
         return None
@@ -163,6 +171,7 @@ def stop_pod(ctx: ServiceContext, caller: Principal, ref: str,
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
         pod = _find(session, caller, ref)
+        _not_a_member(pod)
         pod.stop_grace_seconds = grace_seconds
         phase = PodPhase(pod.phase)
         if phase in {PodPhase.PENDING, PodPhase.LOST}:
@@ -185,6 +194,7 @@ def start_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
         pod = _find(session, caller, ref)
+        _not_a_member(pod)
         if PodPhase(pod.phase) not in TERMINAL_PHASES:
             raise Conflict(f"pod {pod.name!r} is {pod.phase}; only an ended pod can be started")
         requeue(session, pod, now, "StartedByUser")
@@ -208,6 +218,7 @@ def delete_pod(ctx: ServiceContext, caller: Principal, ref: str) -> None:
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
         pod = _find(session, caller, ref)
+        _not_a_member(pod)
         pod.deleted_at = now
         pod.desired_state = "deleted"
         pod.version += 1

@@ -17,7 +17,7 @@ from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpucloud.core.phases import ACTIVE_PHASES, NodeStatus, PodPhase
-from gpucloud.db.models import Base, NodeModel, PodModel
+from gpucloud.db.models import Base, JobModel, NodeModel, PodModel
 from gpucloud.db.session import rows_changed
 from gpucloud.scheduler import Decision, GpuState, NodeState, PodRequest, Scheduler
 from gpucloud.services.context import ServiceContext, new_id
@@ -69,7 +69,7 @@ def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]
         ids = session.scalars(
             select(PodModel.id)
             .where(PodModel.phase == PodPhase.PENDING.value, PodModel.deleted_at.is_(None),
-                   PodModel.desired_state == "running",
+                   PodModel.desired_state == "running", PodModel.job_id.is_(None),
                    or_(PodModel.not_before.is_(None), PodModel.not_before <= now),
                    or_(PodModel.lock_expires_at.is_(None), PodModel.lock_expires_at <= now))
             .order_by(PodModel.created_at, PodModel.id)
@@ -170,7 +170,7 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
     gpu_milli = {str(i): m for i, m in sorted(decision.placement.gpu_milli.items())}
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
-        if not _claim_node(session, node.id, node_versions[node.name]):
+        if not claim_node(session, node.id, node_versions[node.name]):
             _release(session, pod, token)
             return False
         bound = rows_changed(
@@ -194,7 +194,7 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
     return True
 
 
-def _claim_node(session: Session, node_id: str, version: int) -> bool:
+def claim_node(session: Session, node_id: str, version: int) -> bool:
     """Guarded bump of the node: fails if it changed (cordoned, lost, re-registered)."""
     return bool(rows_changed(
         session,
@@ -207,11 +207,18 @@ def _claim_node(session: Session, node_id: str, version: int) -> bool:
 
 
 def retry_unschedulable(session: Session) -> None:
-    """Capacity may have appeared: let the next pass look at unschedulable pods again."""
+    """Capacity may have appeared: let the next pass look at unschedulable pods and jobs
+    again."""
     session.execute(
         update(PodModel)
         .where(PodModel.phase == PodPhase.PENDING.value, PodModel.reason == "Unschedulable",
                PodModel.not_before.is_not(None))
+        .values(not_before=None)
+    )
+    session.execute(
+        update(JobModel)
+        .where(JobModel.gang_state == "queued", JobModel.reason == "Unschedulable",
+               JobModel.not_before.is_not(None))
         .values(not_before=None)
     )
 

@@ -1,4 +1,4 @@
-"""/v1/agent: the node agent protocol (register, lease, assignments, status, logs)."""
+"""/v1/agent: the node agent protocol (register, lease, assignments, status, ready, logs)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from gpucloud.api.deps import Ctx, NodeId
+from gpucloud.core.jobs import AgentPodReadyRequest
 from gpucloud.core.models import (
     AgentLogChunkRequest,
     AgentPodStatusRequest,
@@ -19,7 +20,7 @@ from gpucloud.core.models import (
     NodeRegisterResponse,
 )
 from gpucloud.core.phases import PodPhase
-from gpucloud.services import agent, nodes
+from gpucloud.services import agent, gangs, nodes
 
 router = APIRouter(prefix="/v1/agent", tags=["agent"])
 POLL_SECONDS = 0.25
@@ -68,6 +69,15 @@ def pod_status(pod_id: str, body: AgentPodStatusRequest, ctx: Ctx, node_id: Node
     if phase is PodPhase.PENDING:
         _wake(request)
     return {"phase": phase.value}
+
+
+@router.post("/pods/{pod_id}/ready")
+def pod_ready(pod_id: str, body: AgentPodReadyRequest, ctx: Ctx, node_id: NodeId,
+              request: Request) -> dict[str, bool]:
+    """A job member waits at the start barrier; the controller releases the gang."""
+    gangs.report_ready(ctx, node_id, pod_id, body)
+    _wake(request)
+    return {"ready": True}
 
 
 @router.post("/pods/{pod_id}/logs")

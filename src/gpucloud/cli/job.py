@@ -1,0 +1,133 @@
+"""`gpucloud job …`: multi-node jobs, N member pods started together (gangs)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from gpucloud.cli.common import (
+    CliError,
+    OutputFormat,
+    OutputOption,
+    cli_errors,
+    client,
+    emit,
+    fields,
+    table,
+)
+from gpucloud.cli.pod import _parse_env, _validation_message
+from gpucloud.core.jobs import DEFAULT_READY_TIMEOUT_SECONDS, JobCreateRequest, JobOut
+
+app = typer.Typer(help="Multi-node jobs: N pods with G GPUs each, started together.",
+                  no_args_is_help=True)
+
+
+def _show_job(job: JobOut) -> None:
+    fields([
+        ("id", job.id), ("name", job.name), ("project", job.project), ("phase", job.phase),
+        ("reason", job.reason), ("message", job.message), ("image", job.image),
+        ("command", " ".join(job.command)),
+        ("nodes", f"{job.nodes} x {job.gpus_per_node} GPUs"
+                  + (f" {job.gpu_type}" if job.gpu_type else "")),
+        ("topology", job.topology.value), ("priority class", job.priority_class),
+        ("restarts", f"{job.restarts} of {job.max_restarts}"),
+        ("ready timeout", f"{job.ready_timeout:g}s"), ("master port", job.master_port),
+        ("created", job.created_at.isoformat(timespec="seconds")),
+    ])
+    table(["RANK", "POD", "PHASE", "NODE", "ADDRESS", "READY", "REASON"],
+          [[m.rank, m.pod, m.phase, m.node, m.address, "yes" if m.ready else "no", m.reason]
+           for m in job.members])
+
+
+@app.command()
+def create(
+    name: Annotated[str, typer.Argument(help="Job name (a DNS label); members are NAME-RANK")],
+    command: Annotated[list[str] | None, typer.Argument(help="Command and args, after --")] = None,
+    nodes: Annotated[int, typer.Option(help="Number of members, one per node")] = 1,
+    gpus_per_node: Annotated[int, typer.Option(help="Whole GPUs of each member")] = 0,
+    topology: Annotated[str, typer.Option(help="same-block, same-rack or any")] = "any",
+    priority_class: Annotated[str | None, typer.Option(
+        help="spot, batch or on-demand (stored; preemption comes later)")] = None,
+    max_restarts: Annotated[int, typer.Option(help="Gang restarts before Failed")] = 0,
+    ready_timeout: Annotated[float, typer.Option(
+        help="Seconds for every member to be ready at the start barrier")
+    ] = DEFAULT_READY_TIMEOUT_SECONDS,
+    image: Annotated[str, typer.Option(help="Container image reference")] = "",
+    gpu_type: Annotated[str | None, typer.Option(help="GPU model, e.g. H100-80GB")] = None,
+    cpu: Annotated[str, typer.Option(help="CPU cores of each member")] = "1",
+    memory: Annotated[str, typer.Option(help="Memory of each member: 512Mi, 16Gi …")] = "1Gi",
+    env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Create a job: gpucloud job create NAME --nodes N --gpus-per-node G --image IMAGE -- CMD"""
+    with cli_errors():
+        if not image:
+            raise CliError("--image is required")
+        try:
+            request = JobCreateRequest.model_validate({
+                "name": name, "image": image, "command": command or [], "nodes": nodes,
+                "gpus_per_node": gpus_per_node, "topology": topology,
+                "priority_class": priority_class, "max_restarts": max_restarts,
+                "ready_timeout": ready_timeout, "gpu_type": gpu_type, "cpu": cpu,
+                "memory": memory, "env": _parse_env(env or []),
+            })
+        except ValidationError as error:
+            raise CliError(_validation_message(error)) from None
+        job = client().create_job(request)
+        emit(job, output, lambda: typer.echo(
+            f"job {job.name} created ({job.id}): {job.nodes} members, {job.phase}"))
+
+
+@app.command("list")
+def list_(output: OutputOption = OutputFormat.TABLE) -> None:
+    """List the project's jobs."""
+    with cli_errors():
+        jobs = client().list_jobs()
+        emit(jobs, output, lambda: table(
+            ["NAME", "ID", "PHASE", "NODES", "GPUS/NODE", "TOPOLOGY", "RESTARTS", "REASON"],
+            [[j.name, j.id[:12], j.phase, j.nodes, j.gpus_per_node, j.topology.value,
+              j.restarts, j.reason] for j in jobs],
+        ))
+
+
+@app.command()
+def get(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Show one job (by id or name) and its members."""
+    with cli_errors():
+        found = client().get_job(job)
+        emit(found, output, lambda: _show_job(found))
+
+
+@app.command()
+def why(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Why a job is pending: what the gang needs and what the cluster offers."""
+    with cli_errors():
+        answer = client().job_why(job)
+        emit(answer, output, lambda: typer.echo(answer.summary))
+
+
+@app.command()
+def logs(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Every member's output, each line prefixed by its rank."""
+    with cli_errors():
+        chunk = client().job_logs(job)
+        emit(chunk, output, lambda: typer.echo(chunk.text, nl=False))
+
+
+@app.command()
+def stop(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Stop every member of a job."""
+    with cli_errors():
+        found = client().stop_job(job)
+        note = "stopping" if found.phase != "Stopped" else found.phase
+        emit(found, output, lambda: typer.echo(f"job {found.name}: {note}"))
+
+
+@app.command()
+def delete(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Delete a job and its members; running members are stopped."""
+    with cli_errors():
+        client().delete_job(job)
+        emit({"deleted": job}, output, lambda: typer.echo(f"job {job} deleted"))

@@ -1,0 +1,150 @@
+"""Jobs: gangs of N member pods (rank 0..N-1) with G GPUs each, started together.
+
+Wire types of ``/v1/jobs`` and the agent's readiness report, the job phases and
+topologies, and the rendezvous environment every member gets (what ``torchrun`` and
+common launchers read).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, Field, field_validator
+
+from gpucloud.core.models import ContainerRequest, _Request
+from gpucloud.core.phases import PodPhase
+
+MAX_JOB_NODES = 1024
+MAX_GPUS_PER_NODE = 64
+DEFAULT_READY_TIMEOUT_SECONDS = 600.0
+#: torchrun's default rendezvous port; a job's port is this plus a value derived from its
+#: id, so that two jobs whose rank 0 share a node (host network) do not collide.
+BASE_MASTER_PORT = 29500
+MASTER_PORT_SPREAD = 1000
+#: Priority classes and their priorities (preemption by priority is a later step).
+PRIORITY_CLASSES: dict[str, int] = {"spot": 0, "batch": 100, "on-demand": 1000}
+
+
+class JobPhase(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    STOPPED = "Stopped"
+
+
+JOB_FINAL_PHASES = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED})
+
+
+class Topology(StrEnum):
+    """How close the members must be: one ``block``, one ``rack`` (node labels), or any."""
+
+    SAME_BLOCK = "same-block"
+    SAME_RACK = "same-rack"
+    ANY = "any"
+
+
+class JobCreateRequest(ContainerRequest):
+    """``gpucloud job create``: ``nodes`` members with ``gpus_per_node`` GPUs each."""
+
+    nodes: int = Field(ge=1, le=MAX_JOB_NODES)
+    gpus_per_node: int = Field(default=0, ge=0, le=MAX_GPUS_PER_NODE)
+    topology: Topology = Topology.ANY
+    priority_class: str | None = None
+    max_restarts: int = Field(default=0, ge=0, le=1000)
+    ready_timeout: float = Field(default=DEFAULT_READY_TIMEOUT_SECONDS, gt=0, le=7 * 24 * 3600)
+
+    @field_validator("priority_class")
+    @classmethod
+    def _priority_class(cls, value: str | None) -> str | None:
+        if value is not None and value not in PRIORITY_CLASSES:
+            known = ", ".join(PRIORITY_CLASSES)
+            raise ValueError(f"unknown priority class {value!r} (known: {known})")
+        return value
+
+
+def member_name(job_name: str, rank: int) -> str:
+    return f"{job_name}-{rank}"
+
+
+class JobMemberOut(BaseModel):
+    rank: int
+    pod: str
+    pod_id: str
+    phase: PodPhase
+    node: str | None = None
+    address: str | None = None
+    reason: str | None = None
+    exit_code: int | None = None
+    ready: bool = False
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    project: str
+    phase: JobPhase
+    reason: str | None = None
+    message: str | None = None
+    image: str
+    command: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    nodes: int
+    gpus_per_node: int
+    gpu_type: str | None = None
+    cpu: float = 1
+    memory: str = "1Gi"
+    topology: Topology = Topology.ANY
+    priority_class: str | None = None
+    max_restarts: int = 0
+    restarts: int = 0
+    ready_timeout: float = DEFAULT_READY_TIMEOUT_SECONDS
+    master_port: int = BASE_MASTER_PORT
+    barrier_released: bool = False
+    desired_state: str = "running"
+    members: list[JobMemberOut] = Field(default_factory=list)
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class JobWhyOut(BaseModel):
+    job: str
+    phase: JobPhase
+    summary: str
+    reasons: dict[str, int] = Field(default_factory=dict)
+
+
+class JobLogsOut(BaseModel):
+    """Every member's output of its current run, each line prefixed ``[RANK] ``."""
+
+    text: str
+    finished: bool
+
+
+class AgentPodReadyRequest(_Request):
+    """A job member's container is created and waits at the start barrier."""
+
+    fencing_token: int
+    attempt: int
+
+
+def master_port(job_id: str) -> int:
+    return BASE_MASTER_PORT + int(job_id, 16) % MASTER_PORT_SPREAD
+
+
+def rendezvous_env(rank: int, addresses: list[str], gpus_per_node: int,
+                   port: int) -> dict[str, str]:
+    """The environment of member ``rank`` of a job placed on nodes ``addresses`` (by rank)."""
+    master, nodes = addresses[0], str(len(addresses))
+    return {
+        "MASTER_ADDR": master, "MASTER_PORT": str(port),
+        "PET_NNODES": nodes, "PET_NODE_RANK": str(rank),
+        "PET_NPROC_PER_NODE": str(max(1, gpus_per_node)),
+        "PET_MASTER_ADDR": master, "PET_MASTER_PORT": str(port),
+        "GPUCLOUD_NODE_RANK": str(rank), "GPUCLOUD_NUM_NODES": nodes,
+        "GPUCLOUD_NODE_IPS": "\n".join(addresses),
+        "GPUCLOUD_GPUS_PER_NODE": str(gpus_per_node),
+    }
