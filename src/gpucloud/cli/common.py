@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -124,3 +124,19 @@ def fields(pairs: Sequence[tuple[str, Any]]) -> None:
     for key, value in pairs:
         shown = "-" if value is None or value == "" or value == [] or value == {} else value
         typer.echo(f"{key + ':':<{width + 1}} {shown}")
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise CliError(f"--env: {pair!r} is not KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def validation_message(error: ValidationError) -> str:
+    first = error.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "request"
+    return f"{field}: {str(first['msg']).removeprefix('Value error, ')}"

@@ -15,9 +15,10 @@ from gpucloud.cli.common import (
     client,
     emit,
     fields,
+    parse_env,
     table,
+    validation_message,
 )
-from gpucloud.cli.pod import _parse_env, _validation_message
 from gpucloud.core.jobs import DEFAULT_READY_TIMEOUT_SECONDS, JobCreateRequest, JobOut
 
 app = typer.Typer(help="Multi-node jobs: N pods with G GPUs each, started together.",
@@ -71,10 +72,10 @@ def create(
                 "gpus_per_node": gpus_per_node, "topology": topology,
                 "priority_class": priority_class, "max_restarts": max_restarts,
                 "ready_timeout": ready_timeout, "gpu_type": gpu_type, "cpu": cpu,
-                "memory": memory, "env": _parse_env(env or []),
+                "memory": memory, "env": parse_env(env or []),
             })
         except ValidationError as error:
-            raise CliError(_validation_message(error)) from None
+            raise CliError(validation_message(error)) from None
         job = client().create_job(request)
         emit(job, output, lambda: typer.echo(
             f"job {job.name} created ({job.id}): {job.nodes} members, {job.phase}"))

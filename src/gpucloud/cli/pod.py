@@ -16,28 +16,14 @@ from gpucloud.cli.common import (
     client,
     emit,
     fields,
+    parse_env,
     table,
+    validation_message,
 )
 from gpucloud.core.models import PodCreateRequest, PodOut
 
 app = typer.Typer(help="GPU pods: containers with GPUs.", no_args_is_help=True)
 FOLLOW_POLL_SECONDS = 1.0
-
-
-def _parse_env(pairs: list[str]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise CliError(f"--env: {pair!r} is not KEY=VALUE")
-        env[key] = value
-    return env
-
-
-def _validation_message(error: ValidationError) -> str:
-    first = error.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "request"
-    return f"{field}: {str(first['msg']).removeprefix('Value error, ')}"
 
 
 def _show_pod(pod: PodOut) -> None:
@@ -76,10 +62,10 @@ def create(
             request = PodCreateRequest.model_validate({
                 "name": name, "image": image, "command": command or [], "gpus": gpus,
                 "gpu_type": gpu_type, "cpu": cpu, "memory": memory,
-                "env": _parse_env(env or []), "ports": port or [], "restart": restart,
+                "env": parse_env(env or []), "ports": port or [], "restart": restart,
             })
         except ValidationError as error:
-            raise CliError(_validation_message(error)) from None
+            raise CliError(validation_message(error)) from None
         pod = client().create_pod(request)
         emit(pod, output, lambda: typer.echo(f"pod {pod.name} created ({pod.id}): {pod.phase}"))
 

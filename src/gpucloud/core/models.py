@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.gpu_models import canonical_name, is_well_formed
@@ -37,24 +37,27 @@ def _reraise(field: str, error: InvalidInput) -> ValueError:
     return ValueError(error.message.removeprefix(f"{field}: "))
 
 
+def _dns_name(value: str) -> str:
+    try:
+        return check_dns_label("name", value)
+    except InvalidInput as error:
+        raise _reraise("name", error) from None
+
+
+#: A user-chosen name: a DNS label (lower-case letters, digits, '-'; at most 63).
+DnsName = Annotated[str, AfterValidator(_dns_name)]
+
+
 class ContainerRequest(_Request):
     """What pods and jobs share: name, image, command, resources and environment."""
 
-    name: str
+    name: DnsName
     image: str
     command: list[str] = Field(default_factory=list)
     gpu_type: str | None = None
     cpu: float | str = 1
     memory: int | str = "1Gi"
     env: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        try:
-            return check_dns_label("name", value)
-        except InvalidInput as error:
-            raise _reraise("name", error) from None
 
     @field_validator("image")
     @classmethod
@@ -229,7 +232,7 @@ class GpuInventory(_Request):
 
 class NodeRegisterRequest(_Request):
     join_token: str
-    name: str
+    name: DnsName
     cpu_cores: float = Field(gt=0, le=100_000)
     memory_bytes: int = Field(gt=0)
     gpus: list[GpuInventory] = Field(default_factory=list, max_length=1024)
@@ -237,14 +240,6 @@ class NodeRegisterRequest(_Request):
     address: str | None = None
     provider: str | None = None
     agent_version: str | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        try:
-            return check_dns_label("name", value)
-        except InvalidInput as error:
-            raise _reraise("name", error) from None
 
 
 class NodeRegisterResponse(BaseModel):
@@ -332,15 +327,7 @@ class NodeOut(BaseModel):
 
 
 class ProjectCreateRequest(_Request):
-    name: str
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        try:
-            return check_dns_label("name", value)
-        except InvalidInput as error:
-            raise _reraise("name", error) from None
+    name: DnsName
 
 
 class ProjectOut(BaseModel):
@@ -351,15 +338,7 @@ class ProjectOut(BaseModel):
 
 
 class KeyCreateRequest(_Request):
-    name: str = "default"
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        try:
-            return check_dns_label("name", value)
-        except InvalidInput as error:
-            raise _reraise("name", error) from None
+    name: DnsName = "default"
 
 
 class KeyOut(BaseModel):

@@ -13,7 +13,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpucloud.core.errors import Conflict, InvalidInput, NotFound
-from gpucloud.core.gpu_models import lookup
 from gpucloud.core.jobs import (
     JOB_FINAL_PHASES,
     JobCreateRequest,
@@ -34,20 +33,19 @@ from gpucloud.scheduler import Explanation
 from gpucloud.services import gangs
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event
-from gpucloud.services.pods import _check_gpu_type, bump_assignments, read_logs
+from gpucloud.services.pods import bump_assignments, ensure_known_gpu_type, read_logs
 from gpucloud.services.projects import Principal
 
 
 def create_job(ctx: ServiceContext, caller: Principal, request: JobCreateRequest) -> JobOut:
     """Record the job and its Pending members in one transaction."""
     _check_member_names(request)
+    ensure_known_gpu_type(ctx, request.gpu_type)
     now = ctx.clock.now()
     job = _new_job(caller, request, now)
     try:
         with ctx.db.transaction() as session:
             _check_names_free(session, caller, request)
-            if request.gpu_type is not None and not lookup(request.gpu_type):
-                _check_gpu_type(session, request.gpu_type)
             session.add(job)
             session.flush()
             for rank in range(request.nodes):

@@ -43,11 +43,15 @@ def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
     )
 
 
-def _check_gpu_type(session: Session, gpu_type: str) -> None:
-    """A model not in the catalog must be on some registered node."""
-    for (gpus,) in session.execute(select(NodeModel.gpus)):
-        if any(gpu.get("model") == gpu_type for gpu in gpus):
-            return
+def ensure_known_gpu_type(ctx: ServiceContext, gpu_type: str | None) -> None:
+    """A requested model must be in the catalog or on some registered node (a query only
+    for models outside the catalog)."""
+    if gpu_type is None or lookup(gpu_type):
+        return
+    with ctx.db.transaction() as session:
+        for (gpus,) in session.execute(select(NodeModel.gpus)):
+            if any(gpu.get("model") == gpu_type for gpu in gpus):
+                return
     raise InvalidInput("gpu_type", f"unknown GPU model {gpu_type!r}")
 
 
@@ -64,9 +68,7 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
         created_at=now, updated_at=now, version=0,
     )
     pod = PodModel(**row)
-    if request.gpu_type is not None and not lookup(request.gpu_type):
-        with ctx.db.transaction() as session:
-            _check_gpu_type(session, request.gpu_type)
+    ensure_known_gpu_type(ctx, request.gpu_type)
     # The API's hottest write is one INSERT, atomic on its own: the creation event is
     # derived from the row (see list_events), the unique index settles duplicate names.
     try:
