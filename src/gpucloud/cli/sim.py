@@ -21,6 +21,10 @@ from gpucloud.scheduler.scheduler import to_placement
 from gpucloud.scheduler.types import NodeState, PodRequest
 from gpucloud.sim.data import find_workload, load_nodes, load_pods, workload_names
 from gpucloud.sim.engine import RunResult, run_openb
+from gpucloud.sim.jobs.engine import POLICIES as JOB_POLICIES
+from gpucloud.sim.jobs.engine import run_jobs
+from gpucloud.sim.jobs.metrics import JobsResult
+from gpucloud.sim.jobs.trace import load_trace
 from gpucloud.sim.report import Summary, seeds, summarize
 
 app = typer.Typer(help="Trace-driven scheduler simulations.", no_args_is_help=True)
@@ -159,6 +163,60 @@ def _plot(summaries: list[Summary], path: Path) -> None:
         plotting.plot_curves(summaries, path)
     except OSError as exc:
         raise fail(f"cannot write {path}: {exc.strerror}") from exc
+
+
+@app.command()
+def jobs(
+    trace: Annotated[Path, typer.Option(help="Job trace CSV (philly.csv or a Tiresias job "
+                                        "list).")],
+    policy: Annotated[str, typer.Option(
+        help="fifo, backfill, priority, drf, a comma list, or all.")] = "all",
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes in the cluster.")] = 64,
+    gpus_per_node: Annotated[int, typer.Option(min=1, max=64, help="GPUs per node.")] = 8,
+    limit: Annotated[int | None, typer.Option(min=1, help="Replay only the first JOBS jobs "
+                                              "by arrival.", metavar="JOBS")] = None,
+    profile: Annotated[str, typer.Option(help="Scheduler profile placing the jobs.")] = "default",
+    output: Annotated[str, typer.Option(help="table or json.")] = "table",
+) -> None:
+    """Replay a job trace (arrivals, durations, GPUs) under queueing policies."""
+    if output not in ("table", "json"):
+        raise fail("--output must be table or json")
+    if profile not in POLICY_NAMES:
+        raise fail(f"unknown profile {profile!r}; choose from {', '.join(POLICY_NAMES)}")
+    names = list(JOB_POLICIES) if policy == "all" else [
+        p.strip() for p in policy.split(",") if p.strip()]
+    unknown = [p for p in names if p not in JOB_POLICIES]
+    if unknown or not names:
+        raise fail(f"unknown policy {(unknown or [policy])[0]!r}; choose from "
+                   f"{', '.join(JOB_POLICIES)}, all")
+    try:
+        job_list = load_trace(trace, limit)
+    except GpucloudError as exc:
+        raise fail(exc.message) from exc
+    results = []
+    with Progress(console=errors, transient=True, disable=output == "json") as progress:
+        task = progress.add_task("simulating", total=len(names))
+        for name in names:
+            results.append(run_jobs(job_list, name, nodes, gpus_per_node, profile))
+            progress.advance(task)
+    if output == "json":
+        payload = [r.to_json() for r in results]
+        console.print_json(json.dumps(payload[0] if len(payload) == 1 else payload))
+    else:
+        console.print(_jobs_table(results, f"{trace.name}: {nodes} x {gpus_per_node} GPUs"))
+
+
+def _jobs_table(results: list[JobsResult], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("policy", "jobs", "mean JCT h", "p99 JCT h", "mean queue h", "p99 queue h",
+                   "GPU util %", "makespan d"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for r in results:
+        table.add_row(r.policy, str(r.jobs), f"{r.mean_jct_s / 3600:.2f}",
+                      f"{r.p99_jct_s / 3600:.2f}", f"{r.mean_queue_s / 3600:.2f}",
+                      f"{r.p99_queue_s / 3600:.2f}", f"{r.utilization_pct:.1f}",
+                      f"{r.makespan_s / 86400:.2f}")
+    return table
 
 
 @app.command()

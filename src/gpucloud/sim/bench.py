@@ -10,11 +10,13 @@ never exhausts it, so every placement searches a realistic mix of busy and idle 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from gpucloud.core.jobs import Topology
 from gpucloud.scheduler.framework.cluster import ClusterState
+from gpucloud.scheduler.gang import place_gang
 from gpucloud.scheduler.scheduler import Scheduler
 from gpucloud.scheduler.types import GpuState, NodeState, PodRequest
 
@@ -87,3 +89,60 @@ def run_bench(nodes: int, pods: int, policy: str = "default", seed: int = 0) -> 
     total = float(latencies.sum())
     return BenchResult(nodes, pods, placed, total, float(np.percentile(latencies, 50)) * 1e3,
                        float(np.percentile(latencies, 99)) * 1e3, setup)
+
+
+@dataclass(frozen=True)
+class GangBenchResult:
+    """Latency of ``place_gang`` for one gang size on one cluster layout."""
+
+    nodes: int
+    members: int
+    layout: str
+    repeats: int
+    placed: bool
+    p50_ms: float
+    p99_ms: float
+
+    def to_json(self) -> dict[str, float | int | str | bool]:
+        return {"workload": "gang", "nodes": self.nodes, "members": self.members,
+                "layout": self.layout, "repeats": self.repeats, "placed": self.placed,
+                "p50_latency_ms": round(self.p50_ms, 3), "p99_latency_ms": round(self.p99_ms, 3)}
+
+
+#: Cluster layouts of the gang benchmark: racks of 32 nodes in blocks of 256; the same
+#: with a third of the nodes partly busy; no topology labels at all (the whole cluster is
+#: the only domain, the worst case for the feasibility scan).
+GANG_LAYOUTS = ("blocks", "blocks-busy", "flat")
+
+
+def gang_cluster(count: int, layout: str, seed: int = 0) -> list[NodeState]:
+    nodes = synthetic_nodes(count)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, node in enumerate(nodes):
+        labels = {} if layout == "flat" else {"block": f"b{i // 256}", "rack": f"r{i // 32}"}
+        gpus = node.gpus
+        if layout == "blocks-busy" and rng.random() < 1 / 3:
+            used = int(rng.integers(1, 9))
+            gpus = tuple(replace(g, used_milli=1000 if g.index < used else 0) for g in gpus)
+        out.append(replace(node, labels=labels, gpus=gpus))
+    return out
+
+
+def run_gang_bench(nodes: int, members: int, layout: str = "blocks", repeats: int = 30,
+                   policy: str = "default") -> GangBenchResult:
+    """Time ``repeats`` placements of one ``members``-node gang of 8-GPU members."""
+    cluster = gang_cluster(nodes, layout)
+    gang = [PodRequest(f"m{i}", gpus=8, cpu_milli=64_000, memory_bytes=256 * GIB)
+            for i in range(members)]
+    scheduler = Scheduler(policy)
+    latencies = np.zeros(repeats)
+    placed = True
+    for i in range(repeats):
+        begin = time.perf_counter()
+        decision = place_gang(scheduler, cluster, gang, Topology.ANY)
+        latencies[i] = time.perf_counter() - begin
+        placed &= decision.placements is not None
+    return GangBenchResult(nodes, members, layout, repeats, placed,
+                           float(np.percentile(latencies, 50)) * 1e3,
+                           float(np.percentile(latencies, 99)) * 1e3)
