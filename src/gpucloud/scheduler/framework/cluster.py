@@ -8,6 +8,7 @@ instead of a scan of every GPU of every node per pod.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,8 +37,15 @@ class Allocation:
 
 def _nvlink_domains(gpus: Sequence[GpuState]) -> list[int]:
     """Connected components of the NVLink peer graph, numbered by their smallest index."""
-    position = {gpu.index: i for i, gpu in enumerate(gpus)}
-    parent = list(range(len(gpus)))
+    return list(_nvlink_components(tuple((gpu.index, gpu.nvlink_peers) for gpu in gpus)))
+
+
+@functools.lru_cache(maxsize=256)
+def _nvlink_components(links: tuple[tuple[int, tuple[int, ...]], ...]) -> tuple[int, ...]:
+    """Memoised on the peer graph: a fleet has few distinct GPU topologies (every DGX H100
+    is alike), and building a 10,000-node snapshot recomputed the same ones each time."""
+    position = {index: i for i, (index, _) in enumerate(links)}
+    parent = list(range(len(links)))
 
     def find(i: int) -> int:
         while parent[i] != i:
@@ -45,12 +53,12 @@ def _nvlink_domains(gpus: Sequence[GpuState]) -> list[int]:
             i = parent[i]
         return i
 
-    for i, gpu in enumerate(gpus):
-        for peer in gpu.nvlink_peers:
+    for i, (_, peers) in enumerate(links):
+        for peer in peers:
             j = position.get(peer)
             if j is not None:
                 parent[find(i)] = find(j)
-    return [find(i) for i in range(len(gpus))]
+    return tuple(find(i) for i in range(len(links)))
 
 
 class ClusterState:
