@@ -13,12 +13,13 @@ from fastapi import FastAPI
 
 from gpucloud import __version__
 from gpucloud.api import errors
-from gpucloud.api.routers import agent, jobs, nodes, pods, projects
+from gpucloud.api.routers import agent, jobs, nodes, pods, policy, projects
 from gpucloud.controllers.loops import ControllerRunner
 from gpucloud.core.clock import Clock, SystemClock
 from gpucloud.core.settings import Settings
 from gpucloud.db.migrate import upgrade
 from gpucloud.db.session import Database
+from gpucloud.services import priorities
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.projects import bootstrap_admin
 
@@ -33,6 +34,7 @@ def prepare(settings: Settings, clock: Clock | None = None) -> tuple[ServiceCont
     db = Database(settings.database_url)
     upgrade(db.engine)
     ctx = ServiceContext(db=db, clock=clock or SystemClock(), settings=settings)
+    priorities.ensure_defaults(ctx)
     return ctx, bootstrap_admin(ctx)
 
 
@@ -73,6 +75,6 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    for module in (projects, nodes, agent, pods, jobs):
+    for module in (projects, nodes, agent, pods, jobs, policy):
         app.include_router(module.router)
     return app

@@ -50,7 +50,7 @@ def create(
     gpus_per_node: Annotated[int, typer.Option(help="Whole GPUs of each member")] = 0,
     topology: Annotated[str, typer.Option(help="same-block, same-rack or any")] = "any",
     priority_class: Annotated[str | None, typer.Option(
-        help="spot, batch or on-demand (stored; preemption comes later)")] = None,
+        help="spot, batch (default), on-demand or another class")] = None,
     max_restarts: Annotated[int, typer.Option(help="Gang restarts before Failed")] = 0,
     ready_timeout: Annotated[float, typer.Option(
         help="Seconds for every member to be ready at the start barrier")

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from gpucloud.cli import agent as agent_cli
-from gpucloud.cli import bench, gpu, image, job, node, pod, project, server, sim, up
+from gpucloud.cli import bench, gpu, image, job, node, pod, policy, project, server, sim, up
 
 app = typer.Typer(
     help="gpucloud: a self-hosted GPU cloud.",
@@ -24,6 +24,8 @@ app.add_typer(project.key_app, name="key")
 app.add_typer(node.app, name="node")
 app.add_typer(pod.app, name="pod")
 app.add_typer(job.app, name="job")
+app.add_typer(policy.priority_app, name="priority-class")
+app.add_typer(policy.quota_app, name="quota")
 app.add_typer(gpu.app, name="gpu")
 app.add_typer(image.app, name="image")
 app.add_typer(sim.app, name="sim")

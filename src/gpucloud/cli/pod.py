@@ -52,6 +52,8 @@ def create(
     env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
     port: Annotated[list[str] | None, typer.Option(help="PORT[/http|tcp], repeatable")] = None,
     restart: Annotated[str, typer.Option(help="never, on-failure or always")] = "never",
+    priority_class: Annotated[str | None, typer.Option(
+        help="spot, batch (default), on-demand or another class")] = None,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     """Create a pod: gpucloud pod create NAME --image IMAGE [--gpus N] -- COMMAND [ARGS...]"""
@@ -63,6 +65,7 @@ def create(
                 "name": name, "image": image, "command": command or [], "gpus": gpus,
                 "gpu_type": gpu_type, "cpu": cpu, "memory": memory,
                 "env": parse_env(env or []), "ports": port or [], "restart": restart,
+                "priority_class": priority_class,
             })
         except ValidationError as error:
             raise CliError(validation_message(error)) from None

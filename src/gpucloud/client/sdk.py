@@ -47,6 +47,12 @@ from gpucloud.core.models import (
     ProjectCreatedOut,
     ProjectOut,
 )
+from gpucloud.core.policy import (
+    PriorityClassCreateRequest,
+    PriorityClassOut,
+    QuotaOut,
+    QuotaSetRequest,
+)
 
 T = TypeVar("T")
 
@@ -207,6 +213,20 @@ class GpucloudClient(_Base):
 
     def delete_job(self, ref: str) -> None:
         self._call("DELETE", f"/v1/jobs/{ref}")
+
+    # scheduling policy
+    def list_priority_classes(self) -> list[PriorityClassOut]:
+        return self._typed(list[PriorityClassOut], "GET", "/v1/priority-classes")
+
+    def create_priority_class(self, request: PriorityClassCreateRequest) -> PriorityClassOut:
+        return self._typed(PriorityClassOut, "POST", "/v1/priority-classes",
+                           json=_body(request))
+
+    def list_quotas(self) -> list[QuotaOut]:
+        return self._typed(list[QuotaOut], "GET", "/v1/quotas")
+
+    def set_quota(self, project: str, request: QuotaSetRequest) -> QuotaOut:
+        return self._typed(QuotaOut, "PUT", f"/v1/quotas/{project}", json=_body(request))
 
 
 class AgentClient(_Base):

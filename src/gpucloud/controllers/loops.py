@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from sqlalchemy.exc import OperationalError
 
 from gpucloud.scheduler import Scheduler
-from gpucloud.services import gangs, leadership, nodes, scheduling
+from gpucloud.services import gangs, leadership, nodes, preemption, scheduling
 from gpucloud.services.context import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,11 @@ class SchedulingController:
         self.scheduler = scheduler or Scheduler(ctx.settings.scheduler_profile)
 
     def tick(self) -> scheduling.PassResult:
-        return scheduling.run_pass(self.ctx, self.scheduler)
+        """Place pending pods; for those that fit nowhere, preempt lower-priority work."""
+        result = scheduling.run_pass(self.ctx, self.scheduler)
+        if result.unschedulable:
+            preemption.preempt_for_pods(self.ctx, self.scheduler, result.unschedulable)
+        return result
 
 
 class JobController:
@@ -43,7 +47,10 @@ class JobController:
 
     def tick(self) -> gangs.JobPassResult:
         gangs.reconcile(self.ctx)
-        return gangs.run_pass(self.ctx, self.scheduler)
+        result = gangs.run_pass(self.ctx, self.scheduler)
+        if result.unschedulable:
+            preemption.preempt_for_jobs(self.ctx, self.scheduler, result.unschedulable)
+        return result
 
 
 class NodeLeaseController:

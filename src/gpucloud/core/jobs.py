@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from gpucloud.core.models import ContainerRequest, _Request
 from gpucloud.core.phases import PodPhase
@@ -22,8 +22,6 @@ DEFAULT_READY_TIMEOUT_SECONDS = 600.0
 #: id, so that two jobs whose rank 0 share a node (host network) do not collide.
 BASE_MASTER_PORT = 29500
 MASTER_PORT_SPREAD = 1000
-#: Priority classes and their priorities (preemption by priority is a later step).
-PRIORITY_CLASSES: dict[str, int] = {"spot": 0, "batch": 100, "on-demand": 1000}
 
 
 class JobPhase(StrEnum):
@@ -51,17 +49,8 @@ class JobCreateRequest(ContainerRequest):
     nodes: int = Field(ge=1, le=MAX_JOB_NODES)
     gpus_per_node: int = Field(default=0, ge=0, le=MAX_GPUS_PER_NODE)
     topology: Topology = Topology.ANY
-    priority_class: str | None = None
     max_restarts: int = Field(default=0, ge=0, le=1000)
     ready_timeout: float = Field(default=DEFAULT_READY_TIMEOUT_SECONDS, gt=0, le=7 * 24 * 3600)
-
-    @field_validator("priority_class")
-    @classmethod
-    def _priority_class(cls, value: str | None) -> str | None:
-        if value is not None and value not in PRIORITY_CLASSES:
-            known = ", ".join(PRIORITY_CLASSES)
-            raise ValueError(f"unknown priority class {value!r} (known: {known})")
-        return value
 
 
 def member_name(job_name: str, rank: int) -> str:
@@ -97,6 +86,7 @@ class JobOut(BaseModel):
     memory: str = "1Gi"
     topology: Topology = Topology.ANY
     priority_class: str | None = None
+    priority: int = 100
     max_restarts: int = 0
     restarts: int = 0
     ready_timeout: float = DEFAULT_READY_TIMEOUT_SECONDS

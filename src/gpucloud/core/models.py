@@ -58,6 +58,8 @@ class ContainerRequest(_Request):
     cpu: float | str = 1
     memory: int | str = "1Gi"
     env: dict[str, str] = Field(default_factory=dict)
+    #: A priority class (``gpucloud priority-class list``); checked by the server.
+    priority_class: DnsName | None = None
 
     @field_validator("image")
     @classmethod
@@ -191,6 +193,8 @@ class PodOut(BaseModel):
     #: Set on the members of a job (``gpucloud job``): the job's id and the member's rank.
     job_id: str | None = None
     rank: int | None = None
+    priority_class: str | None = None
+    priority: int = 100
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None

@@ -22,6 +22,11 @@ class Settings:
     scheduler_profile: str = "default"
     restart_backoff_seconds: float = 5.0
     restart_backoff_max_seconds: float = 300.0
+    #: How long capacity freed by preemption stays reserved for its preemptor.
+    preemption_reservation_seconds: float = 300.0
+    #: The grace period of preempted pods (SIGTERM, then SIGKILL); None: the pod's own
+    #: stop grace, else the agent's default.
+    preemption_grace_seconds: float | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -33,4 +38,10 @@ class Settings:
             admin_key=os.environ.get("GPUCLOUD_ADMIN_KEY") or None,
             lease_ttl_seconds=float(os.environ.get("GPUCLOUD_LEASE_TTL", "10")),
             scheduler_profile=os.environ.get("GPUCLOUD_SCHEDULER_PROFILE", "default"),
+            preemption_grace_seconds=_optional_float(
+                os.environ.get("GPUCLOUD_PREEMPTION_GRACE")),
         )
+
+
+def _optional_float(value: str | None) -> float | None:
+    return float(value) if value else None

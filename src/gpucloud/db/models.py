@@ -151,6 +151,15 @@ class PodModel(Base):
         ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     rank: Mapped[int | None] = mapped_column(Integer)
     ready_at: Mapped[datetime | None]
+    #: Scheduling priority (the value of ``priority_class`` when the pod was created).
+    priority_class: Mapped[str | None] = mapped_column(String(63))
+    priority: Mapped[int] = mapped_column(Integer, default=100, server_default="100")
+    #: A preemptor's reservation: the node and GPUs freed for it, held until it binds or
+    #: ``nominated_until``; every scheduling pass counts them as taken for everyone else.
+    nominated_node_id: Mapped[str | None] = mapped_column(
+        ForeignKey("nodes.id", ondelete="SET NULL"))
+    nominated_gpu_milli: Mapped[dict[str, int] | None] = mapped_column(JSON)
+    nominated_until: Mapped[datetime | None]
 
 
 class JobModel(Base):
@@ -193,6 +202,10 @@ class JobModel(Base):
     memory_bytes: Mapped[int] = mapped_column(BigInteger)
     topology: Mapped[str] = mapped_column(String(16))
     priority_class: Mapped[str | None] = mapped_column(String(63))
+    priority: Mapped[int] = mapped_column(Integer, default=100, server_default="100")
+    #: While set and in the future, the members' reservations (``PodModel.nominated_*``)
+    #: hold the capacity that preemption freed for this job.
+    nominated_until: Mapped[datetime | None]
     max_restarts: Mapped[int] = mapped_column(Integer, default=0)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     ready_timeout_seconds: Mapped[float] = mapped_column(Float)
@@ -209,6 +222,30 @@ class JobModel(Base):
     lock_token: Mapped[str | None] = mapped_column(String(32))
     lock_expires_at: Mapped[datetime | None]
     version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class PriorityClassModel(Base):
+    """A named scheduling priority; the defaults are written on first start."""
+
+    __tablename__ = "priority_classes"
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    value: Mapped[int] = mapped_column(Integer)
+    description: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime]
+
+
+class QuotaModel(Base):
+    """A project's guaranteed GPUs per model and how many more it may borrow.
+
+    A project with no row is not limited and has no guarantee.
+    """
+
+    __tablename__ = "quotas"
+    project_id: Mapped[str] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    gpus: Mapped[dict[str, int]] = mapped_column(JSON)
+    borrow_limit: Mapped[int | None] = mapped_column(Integer)
+    updated_at: Mapped[datetime]
 
 
 class PodEventModel(Base):

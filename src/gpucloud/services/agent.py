@@ -112,7 +112,10 @@ def _apply_phase(ctx: ServiceContext, session: Session, pod: PodModel,
                  report: AgentPodStatusRequest, now: datetime) -> None:
     target = report.phase
     reason = report.reason or _default_reason(target, report.exit_code)
-    transition(session, pod, target, now, reason, report.message)
+    message = report.message
+    if target is PodPhase.STOPPED and pod.reason == "Preempted":
+        reason, message = pod.reason, pod.message  # the stop's cause, not its mechanics
+    transition(session, pod, target, now, reason, message)
     if target is PodPhase.RUNNING:
         pod.started_at = now
     if target in TERMINAL_PHASES:

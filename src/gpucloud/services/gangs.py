@@ -35,23 +35,32 @@ from gpucloud.core.jobs import (
 from gpucloud.core.phases import ACTIVE_PHASES, TERMINAL_PHASES, PodPhase
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.db.session import rows_changed
-from gpucloud.scheduler import NodeState, PodRequest, Scheduler
-from gpucloud.scheduler.gang import GangDecision, apply_placements, place_gang
+from gpucloud.scheduler import NodeState, Placement, PodRequest, Scheduler
+from gpucloud.scheduler.gang import GangDecision, place_gang
+from gpucloud.scheduler.preemption import with_placements
+from gpucloud.scheduler.quota import Ledger, gpu_capacity
+from gpucloud.scheduler.types import FULL_GPU_MILLI
+from gpucloud.services import quotas
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.nodes import check_fencing
 from gpucloud.services.pods import bump_assignments, requeue
 from gpucloud.services.scheduling import (
     LOCK_SECONDS,
+    OVER_QUOTA,
     UNSCHEDULABLE_RETRY_SECONDS,
+    Snapshot,
     claim_node,
+    quota_model,
+    reservation_free,
     snapshot,
 )
 
 QUEUED, STARTING, RUNNING, STOPPING, ENDED = "queued", "starting", "running", "stopping", "ended"
 #: What follows a teardown: a restart (counts against max_restarts), a requeue after the
-#: ready timeout (its own back-off), or the end (a user's stop).
-RESTART, REQUEUE, STOP = "restart", "requeue", "stop"
+#: ready timeout (its own back-off), a requeue after preemption (no back-off, no count),
+#: or the end (a user's stop).
+RESTART, REQUEUE, PREEMPT, STOP = "restart", "requeue", "preempt", "stop"
 
 
 @dataclass
@@ -60,6 +69,8 @@ class JobPassResult:
     placed: list[str] = field(default_factory=list)
     unschedulable: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    over_quota: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,10 @@ class LeasedJob:
     memory_bytes: int
     env: dict[str, str]
     members: list[tuple[str, int]]  # (pod id, version) by rank
+    project_id: str = ""
+    priority: int = 0
+    #: The members' reservations (node id, GPU index -> milli) by rank, while they hold.
+    reservations: list[tuple[str, dict[str, int]]] | None = None
 
 
 # -- placement ----------------------------------------------------------------------------
@@ -89,7 +104,7 @@ def lease_queued(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedJob]]
                    JobModel.desired_state == "running",
                    or_(JobModel.not_before.is_(None), JobModel.not_before <= now),
                    or_(JobModel.lock_expires_at.is_(None), JobModel.lock_expires_at <= now))
-            .order_by(JobModel.created_at, JobModel.id).limit(limit)
+            .order_by(JobModel.priority.desc(), JobModel.created_at, JobModel.id).limit(limit)
         ).all()
         if not ids:
             return token, []
@@ -100,18 +115,25 @@ def lease_queued(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedJob]]
             .values(lock_token=token, lock_expires_at=now + timedelta(seconds=LOCK_SECONDS))
         )
         jobs = session.scalars(select(JobModel).where(JobModel.lock_token == token)
-                               .order_by(JobModel.created_at, JobModel.id)).all()
-        return token, [_leased(session, job) for job in jobs]
+                               .order_by(JobModel.priority.desc(), JobModel.created_at,
+                                         JobModel.id)).all()
+        return token, [leased_job(session, job, now) for job in jobs]
 
 
-def _leased(session: Session, job: JobModel) -> LeasedJob:
+def leased_job(session: Session, job: JobModel, now: datetime | None = None) -> LeasedJob:
     members = session.execute(
-        select(PodModel.id, PodModel.version).where(PodModel.job_id == job.id)
+        select(PodModel.id, PodModel.version, PodModel.nominated_node_id,
+               PodModel.nominated_gpu_milli).where(PodModel.job_id == job.id)
         .order_by(PodModel.rank)
     ).all()
+    held = now is not None and job.nominated_until is not None and job.nominated_until > now
+    reservations = [(node_id, milli) for _, _, node_id, milli in members
+                    if node_id and milli is not None]
     return LeasedJob(job.id, job.version, Topology(job.topology), job.gpus_per_node,
                      job.gpu_type, job.cpu_milli, job.memory_bytes, dict(job.env),
-                     [(pod_id, version) for pod_id, version in members])
+                     [(pod_id, version) for pod_id, version, _, _ in members],
+                     job.project_id, job.priority,
+                     reservations if held and len(reservations) == len(members) else None)
 
 
 def member_requests(job: LeasedJob) -> list[PodRequest]:
@@ -121,7 +143,9 @@ def member_requests(job: LeasedJob) -> list[PodRequest]:
 
 
 def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 32) -> JobPassResult:
-    """Place up to ``limit`` queued jobs, each whole or not at all."""
+    """Place up to ``limit`` queued jobs, each whole or not at all: jobs holding
+    reservations onto them once the victims are gone, the others within their project's
+    quota, by priority, then dominant share (DRF), then age."""
     token, jobs = lease_queued(ctx, limit)
     result = JobPassResult(considered=len(jobs))
     if not jobs:
@@ -129,19 +153,76 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 32) -> JobP
     snap = snapshot(ctx)
     nodes: list[NodeState] = snap.nodes
     versions = {name: node.version for name, node in snap.by_name.items()}
-    for job in jobs:
+    with ctx.db.transaction() as session:
+        ledger = quotas.load_ledger(session, ctx.clock.now())
+        names = quotas.project_names(session)
+    capacity = gpu_capacity(nodes)
+    for job in _fair_order(jobs, ledger, capacity):
+        if job.reservations is not None:
+            _bind_reserved(ctx, job, token, snap, versions, result)
+            continue
+        milli = len(job.members) * job.gpus_per_node * FULL_GPU_MILLI
+        model = quota_model(ledger, job.project_id, job.gpu_type, milli, capacity)
+        if milli and model is not None and not ledger.admits(job.project_id, model, milli):
+            message = ledger.over_quota_message(
+                job.project_id, names.get(job.project_id, job.project_id), model, milli)
+            _mark_waiting(ctx, job, token, OVER_QUOTA, message)
+            result.over_quota.append(job.id)
+            continue
         requests = member_requests(job)
         decision = place_gang(scheduler, nodes, requests, job.topology)
         if decision.placements is None:
             _mark_unschedulable(ctx, job, token, decision)
             result.unschedulable.append(job.id)
         elif _bind(ctx, job, token, decision, snap.by_name, versions):
-            nodes = apply_placements(nodes, requests, decision.placements)
+            nodes = with_placements(nodes, requests, decision.placements)
+            if model is not None:
+                ledger.add(job.project_id, model, milli)
             result.placed.append(job.id)
         else:
             _release_lock(ctx, job, token)
             result.conflicts.append(job.id)
     return result
+
+
+def _fair_order(jobs: list[LeasedJob], ledger: Ledger,
+                capacity: dict[str, int]) -> list[LeasedJob]:
+    shares = {j.project_id: ledger.dominant_share(j.project_id, capacity) for j in jobs}
+    order = {j.id: i for i, j in enumerate(jobs)}
+    return sorted(jobs, key=lambda j: (-j.priority, shares[j.project_id], order[j.id]))
+
+
+def _bind_reserved(ctx: ServiceContext, job: LeasedJob, token: str, snap: Snapshot,
+                   versions: dict[str, int], result: JobPassResult) -> None:
+    """Bind every member onto its reservation once all of them are free; else wait."""
+    assert job.reservations is not None
+    if not all(reservation_free(snap, node_id, milli) for node_id, milli in job.reservations):
+        _release_lock(ctx, job, token)
+        result.waiting.append(job.id)
+        return
+    names = {node.id: name for name, node in snap.by_name.items()}
+    placements = tuple(Placement(names[node_id], {int(i): m for i, m in milli.items()})
+                       for node_id, milli in job.reservations)
+    decision = GangDecision(placements, None, "placed on the capacity preemption freed")
+    if _bind(ctx, job, token, decision, snap.by_name, versions):
+        result.placed.append(job.id)
+    else:
+        _release_lock(ctx, job, token)
+        result.conflicts.append(job.id)
+
+
+def _mark_waiting(ctx: ServiceContext, job: LeasedJob, token: str, reason: str,
+                  message: str) -> None:
+    now = ctx.clock.now()
+    with ctx.db.transaction() as session:
+        session.execute(
+            update(JobModel)
+            .where(JobModel.id == job.id, JobModel.lock_token == token,
+                   JobModel.version == job.version)
+            .values(unschedulable=None, reason=reason, message=message,
+                    lock_token=None, lock_expires_at=None, updated_at=now,
+                    not_before=now + timedelta(seconds=UNSCHEDULABLE_RETRY_SECONDS))
+        )
 
 
 def _bind(ctx: ServiceContext, job: LeasedJob, token: str, decision: GangDecision,
@@ -178,7 +259,7 @@ def _claim_job(session: Session, job: LeasedJob, token: str, now: datetime,
                JobModel.deleted_at.is_(None), JobModel.desired_state == "running")
         .values(gang_state=STARTING, scheduled_at=now, barrier_released_at=None,
                 unschedulable=None, reason="Scheduled", message=where, not_before=None,
-                lock_token=None, lock_expires_at=None, updated_at=now,
+                nominated_until=None, lock_token=None, lock_expires_at=None, updated_at=now,
                 version=JobModel.version + 1),
     ))
 
@@ -199,7 +280,8 @@ def _bind_member(session: Session, job: LeasedJob, rank: int, node: NodeModel,
                 gpu_uuids=[uuids[int(i)] for i in milli], gpu_milli=milli, env=env,
                 attempt=PodModel.attempt + 1, reason="Scheduled",
                 message=f"bound to {node.name} with the rest of its job", ready_at=None,
-                unschedulable=None, updated_at=now, version=PodModel.version + 1),
+                unschedulable=None, nominated_node_id=None, nominated_gpu_milli=None,
+                nominated_until=None, updated_at=now, version=PodModel.version + 1),
     )
     if bound:
         record_event(session, pod_id, now, "Scheduled", f"bound to {node.name} (gang)",
@@ -380,6 +462,8 @@ def finish_teardown(ctx: ServiceContext, session: Session, job: JobModel,
     elif job.teardown == REQUEUE:
         job.ready_timeouts += 1
         _requeue(ctx, session, job, members, now, job.ready_timeouts)
+    elif job.teardown == PREEMPT:
+        _requeue(ctx, session, job, members, now, 0)
     elif job.restarts < job.max_restarts:
         job.restarts += 1
         _requeue(ctx, session, job, members, now, job.restarts)
@@ -393,7 +477,7 @@ def finish_teardown(ctx: ServiceContext, session: Session, job: JobModel,
 def _requeue(ctx: ServiceContext, session: Session, job: JobModel, members: list[PodModel],
              now: datetime, count: int) -> None:
     delay = min(ctx.settings.restart_backoff_seconds * 2 ** (count - 1),
-                ctx.settings.restart_backoff_max_seconds)
+                ctx.settings.restart_backoff_max_seconds) if count else 0.0
     for member in members:
         if PodPhase(member.phase) in TERMINAL_PHASES:
             requeue(session, member, now, "GangRestarting", job.message)

@@ -30,7 +30,7 @@ from gpucloud.core.phases import ACTIVE_PHASES, PodPhase, RestartPolicy
 from gpucloud.core.quantities import format_memory
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.scheduler import Explanation
-from gpucloud.services import gangs
+from gpucloud.services import gangs, priorities
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event
 from gpucloud.services.pods import bump_assignments, ensure_known_gpu_type, read_logs
@@ -42,7 +42,9 @@ def create_job(ctx: ServiceContext, caller: Principal, request: JobCreateRequest
     _check_member_names(request)
     ensure_known_gpu_type(ctx, request.gpu_type)
     now = ctx.clock.now()
-    job = _new_job(caller, request, now)
+    with ctx.db.transaction() as session:
+        priority = priorities.resolve(session, request.priority_class)
+    job = _new_job(caller, request, now, priority)
     try:
         with ctx.db.transaction() as session:
             _check_names_free(session, caller, request)
@@ -80,7 +82,8 @@ def _check_names_free(session: Session, caller: Principal, request: JobCreateReq
                            f"are named {names[0]!r} …")
 
 
-def _new_job(caller: Principal, request: JobCreateRequest, now: datetime) -> JobModel:
+def _new_job(caller: Principal, request: JobCreateRequest, now: datetime,
+             priority: tuple[str, int]) -> JobModel:
     return JobModel(
         id=new_id(), project_id=caller.project_id, name=request.name,
         phase=JobPhase.PENDING.value, reason="Created", message=None, desired_state="running",
@@ -88,7 +91,8 @@ def _new_job(caller: Principal, request: JobCreateRequest, now: datetime) -> Job
         env=request.env, num_nodes=request.nodes, gpus_per_node=request.gpus_per_node,
         gpu_type=request.gpu_type, cpu_milli=request.cpu_milli,
         memory_bytes=request.memory_bytes, topology=request.topology.value,
-        priority_class=request.priority_class, max_restarts=request.max_restarts, restarts=0,
+        priority_class=priority[0], priority=priority[1],
+        max_restarts=request.max_restarts, restarts=0,
         ready_timeout_seconds=request.ready_timeout, ready_timeouts=0, created_at=now,
         updated_at=now, version=0,
     )
@@ -102,6 +106,7 @@ def _member(job: JobModel, rank: int, now: datetime) -> PodModel:
         image=job.image, command=job.command, env=dict(job.env), ports=[],
         gpus=float(job.gpus_per_node), gpu_type=job.gpu_type, cpu_milli=job.cpu_milli,
         memory_bytes=job.memory_bytes, restart_policy=RestartPolicy.NEVER.value,
+        priority_class=job.priority_class, priority=job.priority,
         gpu_uuids=[], gpu_milli={}, attempt=0, restart_count=0, job_id=job.id, rank=rank,
         created_at=now, updated_at=now, version=0,
     )
@@ -126,6 +131,7 @@ def _job_out(session: Session, job: JobModel, project: str) -> JobOut:
         env=job.env, nodes=job.num_nodes, gpus_per_node=job.gpus_per_node,
         gpu_type=job.gpu_type, cpu=job.cpu_milli / 1000, memory=format_memory(job.memory_bytes),
         topology=Topology(job.topology), priority_class=job.priority_class,
+        priority=job.priority,
         max_restarts=job.max_restarts, restarts=job.restarts,
         ready_timeout=job.ready_timeout_seconds, master_port=master_port(job.id),
         barrier_released=job.barrier_released_at is not None,
@@ -177,6 +183,8 @@ def _why_summary(ctx: ServiceContext, job: JobModel, members: list[PodModel]) ->
             return f"{job.message}; waiting until {job.not_before.isoformat()} (back-off)"
         if job.unschedulable is not None:
             return job.message or Explanation(job.unschedulable).summary()
+        if job.reason in {"OverQuota", "Preempting"} and job.message:
+            return job.message
         return "waiting for the scheduler's next pass"
     if state == gangs.STARTING:
         ready = sum(m.ready_at is not None for m in members)

@@ -21,11 +21,15 @@ from gpucloud.core.phases import ACTIVE_PHASES, TERMINAL_PHASES, PodPhase, Resta
 from gpucloud.core.quantities import format_memory
 from gpucloud.db.models import Base, NodeModel, PodEventModel, PodLogChunkModel, PodModel
 from gpucloud.scheduler import Explanation
+from gpucloud.services import priorities
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.projects import Principal
 
 _ACTIVE = [p.value for p in ACTIVE_PHASES]
+#: Pending reasons whose message is the answer to ``why``: over quota, or waiting for the
+#: victims of its preemption to stop.
+_WAITING_REASONS = {"OverQuota", "Preempting"}
 _INSERT_POD = insert(Base.metadata.tables[PodModel.__tablename__])
 
 
@@ -38,6 +42,7 @@ def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
         gpu_type=pod.gpu_type, cpu=pod.cpu_milli / 1000, memory=format_memory(pod.memory_bytes),
         memory_bytes=pod.memory_bytes, env=pod.env, ports=pod.ports,
         restart=RestartPolicy(pod.restart_policy), job_id=pod.job_id, rank=pod.rank,
+        priority_class=pod.priority_class, priority=pod.priority,
         created_at=pod.created_at,
         updated_at=pod.updated_at, started_at=pod.started_at, finished_at=pod.finished_at,
     )
@@ -58,6 +63,8 @@ def ensure_known_gpu_type(ctx: ServiceContext, gpu_type: str | None) -> None:
 def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest) -> PodOut:
     """Record the intent (a Pending pod and its first event) in one transaction."""
     now = ctx.clock.now()
+    with ctx.db.transaction() as session:
+        priority_class, priority = priorities.resolve(session, request.priority_class)
     row = dict(
         id=new_id(), project_id=caller.project_id, name=request.name,
         phase=PodPhase.PENDING.value, reason="Created", message=None, desired_state="running",
@@ -65,7 +72,8 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
         gpus=request.gpus, gpu_type=request.gpu_type, cpu_milli=request.cpu_milli,
         memory_bytes=request.memory_bytes, restart_policy=request.restart.value, node_id=None,
         gpu_uuids=[], gpu_milli={}, exit_code=None, attempt=0, restart_count=0,
-        created_at=now, updated_at=now, version=0,
+        created_at=now, updated_at=now, version=0, priority_class=priority_class,
+        priority=priority,
     )
     pod = PodModel(**row)
     ensure_known_gpu_type(ctx, request.gpu_type)
@@ -237,6 +245,8 @@ def why_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodWhyOut:
         if phase is not PodPhase.PENDING:
             summary = f"pod is {phase}" + (f" on node {_node_name(session, pod.node_id)}"
                                            if pod.node_id else "")
+        elif pod.reason in _WAITING_REASONS and pod.message:
+            summary = pod.message
         elif reasons:
             summary = Explanation(reasons).summary()
         elif pod.not_before and pod.not_before > ctx.clock.now():

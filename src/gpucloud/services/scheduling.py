@@ -11,19 +11,31 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
+from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.phases import ACTIVE_PHASES, NodeStatus, PodPhase
 from gpucloud.db.models import Base, JobModel, NodeModel, PodModel
 from gpucloud.db.session import rows_changed
-from gpucloud.scheduler import Decision, GpuState, NodeState, PodRequest, Scheduler
+from gpucloud.scheduler import (
+    Decision,
+    GpuState,
+    NodeState,
+    Placement,
+    PodRequest,
+    Scheduler,
+)
+from gpucloud.scheduler.quota import Ledger, gpu_capacity
+from gpucloud.scheduler.types import FULL_GPU_MILLI
+from gpucloud.services import quotas
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, record_events
 
 LOCK_SECONDS = 30.0
+OVER_QUOTA = "OverQuota"
 #: An unschedulable pod is looked at again after this long, or at once when capacity
 #: appears (a node registers or is uncordoned, a pod ends): see ``retry_unschedulable``.
 UNSCHEDULABLE_RETRY_SECONDS = 30.0
@@ -36,12 +48,21 @@ class PassResult:
     scheduled: list[str] = field(default_factory=list)
     unschedulable: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    over_quota: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+
+
+Usage = tuple[dict[str, dict[int, int]], dict[str, int], dict[str, int]]
 
 
 @dataclass
-class _Snapshot:
+class Snapshot:
+    """The nodes as the scheduler sees them (live reservations count as used), the rows,
+    and the uncapped usage per node id (to tell when a reservation is free)."""
+
     nodes: list[NodeState]
     by_name: dict[str, NodeModel]
+    usage: Usage
 
 
 @dataclass(frozen=True)
@@ -55,14 +76,29 @@ class LeasedPod:
     cpu_milli: int
     memory_bytes: int
     unschedulable: dict[str, int] | None
+    project_id: str
+    priority: int
+    nominated_node_id: str | None
+    nominated_gpu_milli: dict[str, int] | None
+    nominated_until: datetime | None
+
+    def reservation(self, now: datetime) -> tuple[str, dict[str, int]] | None:
+        """The node id and GPUs held for this pod by a preemption, while they are."""
+        if self.nominated_node_id and self.nominated_gpu_milli is not None and (
+                self.nominated_until is not None and self.nominated_until > now):
+            return self.nominated_node_id, self.nominated_gpu_milli
+        return None
 
 
 _LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_type,
-                   PodModel.cpu_milli, PodModel.memory_bytes, PodModel.unschedulable)
+                   PodModel.cpu_milli, PodModel.memory_bytes, PodModel.unschedulable,
+                   PodModel.project_id, PodModel.priority, PodModel.nominated_node_id,
+                   PodModel.nominated_gpu_milli, PodModel.nominated_until)
 
 
 def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
-    """Take a lock on up to ``limit`` schedulable pending pods, oldest first."""
+    """Take a lock on up to ``limit`` schedulable pending pods: highest priority first,
+    then oldest."""
     now = ctx.clock.now()
     token = new_id()
     with ctx.db.transaction() as session:
@@ -72,7 +108,7 @@ def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]
                    PodModel.desired_state == "running", PodModel.job_id.is_(None),
                    or_(PodModel.not_before.is_(None), PodModel.not_before <= now),
                    or_(PodModel.lock_expires_at.is_(None), PodModel.lock_expires_at <= now))
-            .order_by(PodModel.created_at, PodModel.id)
+            .order_by(PodModel.priority.desc(), PodModel.created_at, PodModel.id)
             .limit(limit)
         ).all()
         if not ids:
@@ -85,9 +121,9 @@ def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]
         )
         rows = session.execute(
             select(*_LEASED_COLUMNS).where(PodModel.lock_token == token)
-            .order_by(PodModel.created_at, PodModel.id)
+            .order_by(PodModel.priority.desc(), PodModel.created_at, PodModel.id)
         ).all()
-        return token, [LeasedPod(*row) for row in rows]
+        return token, [LeasedPod(**row._mapping) for row in rows]
 
 
 def pod_request(pod: LeasedPod) -> PodRequest:
@@ -97,19 +133,26 @@ def pod_request(pod: LeasedPod) -> PodRequest:
                       cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes)
 
 
-def _usage(session: Session) -> tuple[dict[str, dict[int, int]], dict[str, int], dict[str, int]]:
-    """GPU milli per node and GPU index, CPU and memory held by active pods."""
+def _usage(session: Session, now: datetime) -> Usage:
+    """GPU milli per node and GPU index, CPU and memory held by active pods and by live
+    reservations of pending preemptors."""
     gpu: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     cpu: dict[str, int] = defaultdict(int)
     memory: dict[str, int] = defaultdict(int)
-    rows = session.execute(
+    held = session.execute(
         select(PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli, PodModel.memory_bytes)
         .where(PodModel.phase.in_(_ACTIVE), PodModel.node_id.is_not(None))
-    )
-    for node_id, gpu_milli, cpu_milli, memory_bytes in rows:
+    ).all()
+    reserved = session.execute(
+        select(PodModel.nominated_node_id, PodModel.nominated_gpu_milli, PodModel.cpu_milli,
+               PodModel.memory_bytes)
+        .where(PodModel.phase == PodPhase.PENDING.value,
+               PodModel.nominated_node_id.is_not(None), PodModel.nominated_until > now)
+    ).all()
+    for node_id, gpu_milli, cpu_milli, memory_bytes in [*held, *reserved]:
         if node_id is None:
             continue
-        for index, milli in gpu_milli.items():
+        for index, milli in (gpu_milli or {}).items():
             gpu[node_id][int(index)] += milli
         cpu[node_id] += cpu_milli
         memory[node_id] += memory_bytes
@@ -131,24 +174,48 @@ def node_state(node: NodeModel, gpu_used: dict[int, int], cpu_used: int,
                      cpu_used_milli=cpu_used, memory_used_bytes=memory_used)
 
 
-def snapshot(ctx: ServiceContext) -> _Snapshot:
+def snapshot(ctx: ServiceContext) -> Snapshot:
     with ctx.db.transaction() as session:
         nodes = session.scalars(select(NodeModel).order_by(NodeModel.name)).all()
-        gpu, cpu, memory = _usage(session)
+        gpu, cpu, memory = _usage(session, ctx.clock.now())
     states = [node_state(n, gpu.get(n.id, {}), cpu.get(n.id, 0), memory.get(n.id, 0))
               for n in nodes]
-    return _Snapshot(states, {n.name: n for n in nodes})
+    return Snapshot(states, {n.name: n for n in nodes}, (gpu, cpu, memory))
+
+
+def reservation_free(snap: Snapshot, node_id: str, gpu_milli: dict[str, int]) -> bool:
+    """Whether a reservation's node has room for it now: the usage counts the reservation
+    itself, so nothing may be over capacity (the victims are gone)."""
+    node = next((n for n in snap.by_name.values() if n.id == node_id), None)
+    if node is None or node.status != NodeStatus.READY.value or node.cordoned:
+        return False
+    gpu, cpu, memory = snap.usage
+    used = gpu.get(node_id, {})
+    return (all(used.get(int(i), 0) <= FULL_GPU_MILLI for i in gpu_milli)
+            and cpu.get(node_id, 0) <= node.cpu_milli
+            and memory.get(node_id, 0) <= node.memory_bytes)
 
 
 def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 256) -> PassResult:
-    """One scheduling pass over up to ``limit`` pending pods."""
-    token, pods = lease_pending(ctx, limit)
-    result = PassResult(considered=len(pods))
-    if not pods:
+    """One scheduling pass over up to ``limit`` pending pods.
+
+    Pods holding a reservation bind onto it once its victims are gone; the others are
+    checked against their project's quota, ordered by priority, then by their project's
+    dominant share (DRF), then by age, and placed.
+    """
+    token, leased = lease_pending(ctx, limit)
+    result = PassResult(considered=len(leased))
+    if not leased:
         return result
     snap = snapshot(ctx)
-    decisions = scheduler.schedule(snap.nodes, [pod_request(p) for p in pods])
     node_versions = {name: node.version for name, node in snap.by_name.items()}
+    pods = [p for p in leased if not _bind_reserved(ctx, p, token, snap, node_versions, result)]
+    ledger, names = _ledger(ctx)
+    pods, over = admit(ledger, names, _fair_order(pods, ledger, snap.nodes),
+                       gpu_capacity(snap.nodes))
+    _mark_over_quota(ctx, token, over)
+    result.over_quota = [pod.id for pod, _ in over]
+    decisions = scheduler.schedule(snap.nodes, [pod_request(p) for p in pods])
     rejected = [(p, d) for p, d in zip(pods, decisions, strict=True) if d.placement is None]
     _mark_unschedulable(ctx, token, rejected)
     result.unschedulable = [pod.id for pod, _ in rejected]
@@ -160,6 +227,73 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 256) -> Pas
         else:
             result.conflicts.append(pod.id)
     return result
+
+
+def _bind_reserved(ctx: ServiceContext, pod: LeasedPod, token: str, snap: Snapshot,
+                   node_versions: dict[str, int], result: PassResult) -> bool:
+    """Handle a pod that holds a reservation: bind it there, or keep it waiting; False
+    for a pod with none (the ordinary path places it)."""
+    held = pod.reservation(ctx.clock.now())
+    if held is None:
+        return False
+    node_id, gpu_milli = held
+    if not reservation_free(snap, node_id, gpu_milli):
+        _release_lock(ctx, pod, token)
+        result.waiting.append(pod.id)
+        return True
+    node = next(n for n in snap.by_name.values() if n.id == node_id)
+    placement = Placement(node.name, {int(i): m for i, m in gpu_milli.items()})
+    decision = Decision(pod.id, placement, None)
+    if _bind(ctx, pod, token, decision, snap.by_name, node_versions):
+        result.scheduled.append(pod.id)
+    else:
+        result.conflicts.append(pod.id)
+    return True
+
+
+def _ledger(ctx: ServiceContext) -> tuple[Ledger, dict[str, str]]:
+    with ctx.db.transaction() as session:
+        return quotas.load_ledger(session, ctx.clock.now()), quotas.project_names(session)
+
+
+def _fair_order(pods: list[LeasedPod], ledger: Ledger,
+                nodes: list[NodeState]) -> list[LeasedPod]:
+    """Priority first; among equals, the project with the smallest dominant share (DRF),
+    then the lease order (oldest first)."""
+    capacity = gpu_capacity(nodes)
+    shares = {p.project_id: ledger.dominant_share(p.project_id, capacity) for p in pods}
+    order = {p.id: i for i, p in enumerate(pods)}
+    return sorted(pods, key=lambda p: (-p.priority, shares[p.project_id], order[p.id]))
+
+
+def admit(ledger: Ledger, names: dict[str, str], pods: list[LeasedPod],
+          capacity: dict[str, int]) -> tuple[list[LeasedPod], list[tuple[LeasedPod, str]]]:
+    """The pods within their project's quota and borrow limit (each admitted one counts
+    for the next), and the others with the reason."""
+    admitted: list[LeasedPod] = []
+    over: list[tuple[LeasedPod, str]] = []
+    for pod in pods:
+        milli = round(pod.gpus * FULL_GPU_MILLI)
+        model = quota_model(ledger, pod.project_id, pod.gpu_type, milli, capacity)
+        if milli == 0 or model is None or ledger.admits(pod.project_id, model, milli):
+            if model is not None:
+                ledger.add(pod.project_id, model, milli)
+            admitted.append(pod)
+        else:
+            name = names.get(pod.project_id, pod.project_id)
+            over.append((pod, ledger.over_quota_message(pod.project_id, name, model, milli)))
+    return admitted, over
+
+
+def quota_model(ledger: Ledger, project: str, gpu_type: str | None, milli: int,
+                capacity: dict[str, int]) -> str | None:
+    """The model a request counts against: its own, else the cluster's model that suits
+    the project best (within quota, then admitted); None for a cluster with no GPUs."""
+    if gpu_type is not None:
+        return canonical_name(gpu_type)
+    models = sorted(capacity)
+    return min(models, default=None, key=lambda m: (
+        ledger.would_borrow(project, m, milli), not ledger.admits(project, m, milli), m))
 
 
 def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
@@ -183,6 +317,7 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
                     gpu_uuids=[gpu_by_index[int(i)] for i in gpu_milli],
                     gpu_milli=gpu_milli, attempt=PodModel.attempt + 1, reason="Scheduled",
                     message=f"bound to {node.name}", unschedulable=None, updated_at=now,
+                    nominated_node_id=None, nominated_gpu_milli=None, nominated_until=None,
                     lock_token=None, lock_expires_at=None, version=PodModel.version + 1),
         )
         if not bound:
@@ -221,6 +356,29 @@ def retry_unschedulable(session: Session) -> None:
                JobModel.not_before.is_not(None))
         .values(not_before=None)
     )
+
+
+def _release_lock(ctx: ServiceContext, pod: LeasedPod, token: str) -> None:
+    with ctx.db.transaction() as session:
+        _release(session, pod, token)
+
+
+def _mark_over_quota(ctx: ServiceContext, token: str,
+                     over: list[tuple[LeasedPod, str]]) -> None:
+    """Keep over-quota pods Pending with the reason; an event when it is new."""
+    now = ctx.clock.now()
+    with ctx.db.transaction() as session:
+        for pod, message in over:
+            changed = rows_changed(session, update(PodModel).where(
+                PodModel.id == pod.id, PodModel.lock_token == token,
+                PodModel.version == pod.version, PodModel.message.is_distinct_from(message),
+            ).values(reason=OVER_QUOTA, message=message, unschedulable=None,
+                     updated_at=now))
+            if changed:
+                record_event(session, pod.id, now, OVER_QUOTA, message)
+            _release(session, pod, token)
+            session.execute(update(PodModel).where(PodModel.id == pod.id).values(
+                not_before=now + timedelta(seconds=UNSCHEDULABLE_RETRY_SECONDS)))
 
 
 def _release(session: Session, pod: LeasedPod, token: str) -> None:

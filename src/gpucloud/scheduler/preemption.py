@@ -1,0 +1,292 @@
+"""Preemption: which running work to stop so that a pending pod or gang fits.
+
+``plan_preemption`` takes the cluster snapshot, the running work (``Running``: a pod, or a
+whole gang, with its priority, project, start time and where its members run) and a
+``Preemptor`` that fits nowhere as things are. It returns the victims and the placements
+the preemptor gets once they are gone, or None.
+
+The rules:
+
+- only work of strictly lower priority is ever a victim;
+- a gang is a victim whole or not at all (``Running`` is the unit);
+- a preemptor that would borrow (run beyond its project's quota) never takes work that is
+  within another project's quota (``quota.Ledger.protected``) — reclaim goes the other way:
+  an owner within its quota may take borrowed work back;
+- among the ways to make room: the fewest victim pods, then the lowest highest victim
+  priority, then the least GPU-time lost (GPUs x seconds run so far).
+
+For each node the victims are chosen greedily (lowest priority, least GPU-time first) until
+the preemptor fits, then each is given a reprieve if it can stay — the Kubernetes approach.
+A gang takes the cheapest N nodes of one topology domain; whatever the per-node choice,
+the result is verified by placing the preemptor on the snapshot without its victims.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from gpucloud.core.jobs import Topology
+from gpucloud.scheduler.gang import LEVELS, place_gang
+from gpucloud.scheduler.quota import Ledger
+from gpucloud.scheduler.scheduler import Scheduler
+from gpucloud.scheduler.types import NodeState, Placement, PodRequest
+
+
+@dataclass(frozen=True)
+class Member:
+    """One pod of running work: its node and what it holds there."""
+
+    node: str
+    gpu_milli: Mapping[int, int]
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Running:
+    """Running work that may be preempted as one unit: a pod, or every member of a gang."""
+
+    key: str
+    priority: int
+    project: str
+    started: float
+    members: tuple[Member, ...]
+
+    def gpu_time_lost(self, now: float) -> float:
+        milli = sum(sum(m.gpu_milli.values()) for m in self.members)
+        return milli * max(0.0, now - self.started)
+
+
+@dataclass(frozen=True)
+class Preemptor:
+    """Pending work that fits nowhere: one request per member (one for a pod).
+
+    ``borrowing``: it would run beyond its project's quota.
+    """
+
+    key: str
+    priority: int
+    project: str
+    members: tuple[PodRequest, ...]
+    topology: Topology = Topology.ANY
+    borrowing: bool = False
+
+
+@dataclass(frozen=True)
+class PreemptionPlan:
+    victims: tuple[Running, ...]
+    placements: tuple[Placement, ...]
+
+    @property
+    def victim_pods(self) -> int:
+        return sum(len(v.members) for v in self.victims)
+
+
+@dataclass
+class _Choice:
+    victims: list[Running]
+    cost: tuple[int, int, float] = field(default=(0, 0, 0.0))
+
+
+def plan_preemption(scheduler: Scheduler, nodes: Sequence[NodeState],
+                    running: Sequence[Running], preemptor: Preemptor, ledger: Ledger,
+                    now: float) -> PreemptionPlan | None:
+    """The cheapest set of victims that lets ``preemptor`` fit, and its placements."""
+    if not preemptor.members:
+        return None
+    candidates = sorted(
+        (r for r in running if r.priority < preemptor.priority),
+        key=lambda r: (r.priority, r.gpu_time_lost(now), r.key))
+    if not candidates:
+        return None
+    models = _gpu_models(nodes)
+    on_node: dict[str, list[Running]] = defaultdict(list)
+    for unit in candidates:
+        for name in {m.node for m in unit.members}:
+            on_node[name].append(unit)
+    choices = {node.name: choice for node in nodes
+               if (choice := _node_choice(scheduler, node, on_node.get(node.name, []),
+                                          preemptor, ledger, models, now)) is not None}
+    if len(preemptor.members) == 1:
+        return _single(scheduler, nodes, choices, preemptor)
+    return _gang(scheduler, nodes, choices, preemptor, _Context(ledger, models, now))
+
+
+def _gpu_models(nodes: Sequence[NodeState]) -> dict[tuple[str, int], str]:
+    return {(node.name, gpu.index): gpu.model for node in nodes for gpu in node.gpus}
+
+
+def _node_choice(scheduler: Scheduler, node: NodeState, units: list[Running],
+                 preemptor: Preemptor, ledger: Ledger, models: dict[tuple[str, int], str],
+                 now: float) -> _Choice | None:
+    """The victims on ``node`` that make room for one member, or None if none do.
+
+    Greedy twice — lowest priority first, and largest first (fewer victims when one big
+    pod frees what several small ones would) — each followed by reprieves; the cheaper wins.
+    """
+    if _fits(scheduler, node, preemptor.members[0]):
+        return _Choice([])
+    largest = sorted(units, key=lambda u: -sum(sum(m.gpu_milli.values())
+                                               for m in u.members if m.node == node.name))
+    found = [victims for order in (units, largest)
+             if (victims := _greedy(scheduler, node, order, preemptor, ledger, models))]
+    if not found:
+        return None
+    best = min(found, key=lambda victims: _cost(victims, now))
+    return _Choice(best, _cost(best, now))
+
+
+def _greedy(scheduler: Scheduler, node: NodeState, order: list[Running],
+            preemptor: Preemptor, ledger: Ledger,
+            models: dict[tuple[str, int], str]) -> list[Running] | None:
+    request = preemptor.members[0]
+    victims: list[Running] = []
+    for unit in order:
+        if not _may_take(victims + [unit], preemptor, ledger, models):
+            continue
+        victims.append(unit)
+        if _fits(scheduler, _without(node, victims), request):
+            break
+    else:
+        return None
+    for unit in reversed(list(victims)):
+        kept = [v for v in victims if v is not unit]
+        if _fits(scheduler, _without(node, kept), request):
+            victims = kept
+    return victims
+
+
+def _cost(victims: Sequence[Running], now: float) -> tuple[int, int, float]:
+    return (sum(len(v.members) for v in victims), max((v.priority for v in victims), default=-1),
+            sum(v.gpu_time_lost(now) for v in victims))
+
+
+def _may_take(victims: Sequence[Running], preemptor: Preemptor, ledger: Ledger,
+              models: dict[tuple[str, int], str]) -> bool:
+    """A borrowing preemptor leaves every other project at least at its quota."""
+    if not preemptor.borrowing:
+        return True
+    taken: dict[tuple[str, str], int] = defaultdict(int)
+    for unit in victims:
+        if unit.project == preemptor.project:
+            continue
+        for member in unit.members:
+            for index, milli in member.gpu_milli.items():
+                taken[unit.project, models.get((member.node, index), "")] += milli
+    return not any(ledger.protected(project, model, milli)
+                   for (project, model), milli in taken.items())
+
+
+def _fits(scheduler: Scheduler, node: NodeState, request: PodRequest) -> bool:
+    return scheduler.schedule([node], [request])[0].placement is not None
+
+
+def _without(node: NodeState, victims: Sequence[Running]) -> NodeState:
+    """``node`` with the victims' members on it gone."""
+    freed: dict[int, int] = defaultdict(int)
+    cpu = memory = 0
+    for unit in victims:
+        for member in unit.members:
+            if member.node != node.name:
+                continue
+            for index, milli in member.gpu_milli.items():
+                freed[index] += milli
+            cpu += member.cpu_milli
+            memory += member.memory_bytes
+    gpus = tuple(replace(g, used_milli=max(0, g.used_milli - freed[g.index])) if freed[g.index]
+                 else g for g in node.gpus)
+    return replace(node, gpus=gpus, cpu_used_milli=max(0, node.cpu_used_milli - cpu),
+                   memory_used_bytes=max(0, node.memory_used_bytes - memory))
+
+
+def without_victims(nodes: Sequence[NodeState],
+                    victims: Sequence[Running]) -> list[NodeState]:
+    """The snapshot once the victims (every member, on every node) are gone."""
+    touched = {m.node for v in victims for m in v.members}
+    return [_without(node, victims) if node.name in touched else node for node in nodes]
+
+
+def _single(scheduler: Scheduler, nodes: Sequence[NodeState], choices: dict[str, _Choice],
+            preemptor: Preemptor) -> PreemptionPlan | None:
+    by_name = {node.name: node for node in nodes}
+    for name, choice in sorted(choices.items(), key=lambda item: (item[1].cost, item[0])):
+        if not choice.victims:
+            continue
+        node = without_victims([by_name[name]], choice.victims)[0]
+        decision = scheduler.schedule([node], list(preemptor.members))[0]
+        if decision.placement is not None:
+            return PreemptionPlan(tuple(choice.victims), (decision.placement,))
+    return None
+
+
+@dataclass(frozen=True)
+class _Context:
+    ledger: Ledger
+    models: dict[tuple[str, int], str]
+    now: float
+
+
+def _gang(scheduler: Scheduler, nodes: Sequence[NodeState], choices: dict[str, _Choice],
+          preemptor: Preemptor, context: _Context) -> PreemptionPlan | None:
+    """The cheapest N nodes of each domain the topology allows; the cheapest verified."""
+    wanted = len(preemptor.members)
+    options: list[tuple[tuple[int, int, float], int, list[Running]]] = []
+    for level, keys in enumerate(LEVELS[preemptor.topology]):
+        for domain in _domains(nodes, keys):
+            picked = sorted((choices[n.name].cost, n.name) for n in domain
+                            if n.name in choices)[:wanted]
+            if len(picked) < wanted:
+                continue
+            victims = _union(choices[name].victims for _, name in picked)
+            if victims and _may_take(victims, preemptor, context.ledger, context.models):
+                options.append((_cost(victims, context.now), level, victims))
+    for _, _, victims in sorted(options, key=lambda o: (o[0], o[1])):
+        decision = place_gang(scheduler, without_victims(nodes, victims),
+                              list(preemptor.members), preemptor.topology)
+        if decision.placements is not None:
+            return PreemptionPlan(tuple(victims), decision.placements)
+    return None
+
+
+def _union(groups: Iterable[Sequence[Running]]) -> list[Running]:
+    seen: dict[str, Running] = {}
+    for group in groups:
+        for unit in group:
+            seen.setdefault(unit.key, unit)
+    return list(seen.values())
+
+
+def _domains(nodes: Sequence[NodeState], keys: tuple[str, ...]) -> list[list[NodeState]]:
+    """Nodes grouped by their values of the label ``keys`` (none: the whole cluster)."""
+    if not keys:
+        return [list(nodes)]
+    groups: dict[tuple[str, ...], list[NodeState]] = defaultdict(list)
+    for node in nodes:
+        values = tuple(node.labels.get(key, "") for key in keys)
+        if all(values):
+            groups[values].append(node)
+    return list(groups.values())
+
+
+def with_placements(nodes: Sequence[NodeState], requests: Sequence[PodRequest],
+                    placements: Sequence[Placement]) -> list[NodeState]:
+    """The snapshot after the placements (any number per node): later plans see them."""
+    taken: dict[str, list[tuple[PodRequest, Placement]]] = defaultdict(list)
+    for request, placement in zip(requests, placements, strict=True):
+        taken[placement.node].append((request, placement))
+    return [_with(node, taken[node.name]) if node.name in taken else node for node in nodes]
+
+
+def _with(node: NodeState, taken: list[tuple[PodRequest, Placement]]) -> NodeState:
+    used: dict[int, int] = defaultdict(int)
+    for _, placement in taken:
+        for index, milli in placement.gpu_milli.items():
+            used[index] += milli
+    gpus = tuple(replace(g, used_milli=min(1000, g.used_milli + used[g.index]))
+                 if used[g.index] else g for g in node.gpus)
+    return replace(node, gpus=gpus,
+                   cpu_used_milli=node.cpu_used_milli + sum(r.cpu_milli for r, _ in taken),
+                   memory_used_bytes=node.memory_used_bytes
+                   + sum(r.memory_bytes for r, _ in taken))

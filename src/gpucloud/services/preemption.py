@@ -1,0 +1,314 @@
+"""Preemption, the control plane's side: what runs, stopping victims, reservations.
+
+The scheduling passes (``scheduling`` for pods, ``gangs`` for jobs) ask the pure planner
+(``scheduler.preemption``) for victims when high-priority work fits nowhere, then apply the
+plan here in ONE transaction: every victim is asked to stop (``desired_state=stopped``;
+its grace period applies; a victim gang is torn down whole and requeued) and the
+preemptor gets a reservation (``nominated_*``) of the capacity freed for it. Any stale
+guard (a victim that ended or changed, the preemptor stopped or re-leased) rolls all of it
+back. The passes count live reservations as taken for everyone else, and bind the
+preemptor onto its reservation once the victims are gone.
+
+Lock order, on PostgreSQL, as elsewhere: victim job rows, then nodes, then pods.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from gpucloud.core.jobs import Topology
+from gpucloud.core.phases import ACTIVE_PHASES, PodPhase
+from gpucloud.db.models import JobModel, NodeModel, PodModel
+from gpucloud.db.session import rows_changed
+from gpucloud.scheduler import NodeState, Placement, PodRequest, Scheduler
+from gpucloud.scheduler.preemption import (
+    Member,
+    PreemptionPlan,
+    Preemptor,
+    Running,
+    plan_preemption,
+    with_placements,
+    without_victims,
+)
+from gpucloud.scheduler.quota import Ledger, gpu_capacity
+from gpucloud.services import gangs, quotas, scheduling
+from gpucloud.services.context import ServiceContext
+from gpucloud.services.events import record_event
+from gpucloud.services.pods import bump_assignments
+from gpucloud.services.scheduling import Snapshot
+
+_ACTIVE = [p.value for p in ACTIVE_PHASES]
+#: Preemption attempts per pass: each is a planner run over the cluster.
+MAX_PREEMPTIONS_PER_PASS = 4
+PREEMPTED = "Preempted"
+PREEMPTING = "Preempting"
+
+
+@dataclass(frozen=True)
+class RunningWork:
+    """The running units, and each pod unit's version (the guard of its stop)."""
+
+    units: list[Running]
+    pod_versions: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A preemptor's part of a plan: member pod id -> (node id, GPU index -> milli)."""
+
+    members: dict[str, tuple[str, dict[str, int]]]
+
+
+def running_work(ctx: ServiceContext, node_names: dict[str, str]) -> RunningWork:
+    """Active pods not already stopping, as units: standalone pods, and job members
+    grouped by job (a gang is preempted whole)."""
+    with ctx.db.transaction() as session:
+        rows = session.execute(
+            select(PodModel.id, PodModel.version, PodModel.project_id, PodModel.priority,
+                   PodModel.job_id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,
+                   PodModel.memory_bytes, PodModel.started_at, PodModel.updated_at)
+            .where(PodModel.phase.in_(_ACTIVE), PodModel.node_id.is_not(None),
+                   PodModel.desired_state == "running", PodModel.deleted_at.is_(None))
+        ).all()
+    versions: dict[str, int] = {}
+    grouped: dict[str, list[tuple[Member, int, str, datetime]]] = defaultdict(list)
+    for (pod_id, version, project, priority, job_id, node_id, gpu_milli, cpu, memory,
+         started, updated) in rows:
+        member = Member(node_names.get(node_id or "", ""),
+                        {int(i): m for i, m in gpu_milli.items()}, cpu, memory)
+        grouped[job_id or pod_id].append((member, priority, project, started or updated))
+        if job_id is None:
+            versions[pod_id] = version
+    units = [Running(key, max(p for _, p, _, _ in parts), parts[0][2],
+                     min(s for _, _, _, s in parts).timestamp(),
+                     tuple(m for m, _, _, _ in parts))
+             for key, parts in grouped.items()]
+    return RunningWork(units, versions)
+
+
+def apply_plan(ctx: ServiceContext, session: Session, plan: PreemptionPlan,
+               work: RunningWork, preemptor: str, now: datetime) -> bool:
+    """Ask every victim to stop, naming the preemptor; False if any of them changed."""
+    why = f"preempted by {preemptor}"
+    jobs = sorted(v.key for v in plan.victims if v.key not in work.pod_versions)
+    pods = sorted(v.key for v in plan.victims if v.key in work.pod_versions)
+    locked = {job.id: job for job in session.scalars(
+        select(JobModel).where(JobModel.id.in_(jobs)).order_by(JobModel.id).with_for_update())}
+    node_ids = sorted({n for n in session.scalars(select(PodModel.node_id).where(
+        PodModel.id.in_(pods) | PodModel.job_id.in_(jobs))) if n})
+    session.execute(select(NodeModel.id).where(NodeModel.id.in_(node_ids))
+                    .order_by(NodeModel.id).with_for_update())
+    return all(_stop_gang(ctx, session, locked.get(job_id), why, now) for job_id in jobs) and all(
+        _stop_pod(ctx, session, pod_id, work.pod_versions[pod_id], why, now) for pod_id in pods)
+
+
+def _stop_pod(ctx: ServiceContext, session: Session, pod_id: str, version: int, why: str,
+              now: datetime) -> bool:
+    grace = ctx.settings.preemption_grace_seconds
+    values: dict[str, object] = {"desired_state": "stopped", "reason": PREEMPTED,
+                                 "message": why, "updated_at": now,
+                                 "version": PodModel.version + 1}
+    if grace is not None:
+        values["stop_grace_seconds"] = grace
+    stopped = rows_changed(session, update(PodModel).where(
+        PodModel.id == pod_id, PodModel.version == version, PodModel.phase.in_(_ACTIVE),
+        PodModel.desired_state == "running", PodModel.deleted_at.is_(None)).values(**values))
+    if not stopped:
+        return False
+    record_event(session, pod_id, now, PREEMPTED, why)
+    bump_assignments(session, session.scalar(select(PodModel.node_id)
+                                             .where(PodModel.id == pod_id)))
+    return True
+
+
+def _stop_gang(ctx: ServiceContext, session: Session, job: JobModel | None, why: str,
+               now: datetime) -> bool:
+    """Tear a victim job down whole; it is requeued once every member has stopped."""
+    if job is None or job.gang_state not in {gangs.STARTING, gangs.RUNNING} or (
+            job.desired_state != "running"):
+        return False
+    members = gangs.lock_members(session, job.id)
+    grace = ctx.settings.preemption_grace_seconds
+    if grace is not None:
+        for member in members:
+            member.stop_grace_seconds = grace
+    for member in members:
+        if PodPhase(member.phase) in ACTIVE_PHASES:
+            record_event(session, member.id, now, PREEMPTED, why)
+    gangs.teardown(ctx, session, job, members, now, gangs.PREEMPT, (PREEMPTED, why))
+    return True
+
+
+def reserve(session: Session, reservation: Reservation, until: datetime) -> None:
+    """Hold the freed capacity for the preemptor's pods (the caller claimed them)."""
+    for pod_id, (node_id, gpu_milli) in reservation.members.items():
+        session.execute(update(PodModel).where(PodModel.id == pod_id).values(
+            nominated_node_id=node_id, nominated_gpu_milli=gpu_milli, nominated_until=until))
+
+
+def reservation_until(ctx: ServiceContext, now: datetime) -> datetime:
+    return now + timedelta(seconds=ctx.settings.preemption_reservation_seconds)
+
+
+def victims_summary(plan: PreemptionPlan) -> str:
+    nodes = sorted({m.node for v in plan.victims for m in v.members})
+    count = plan.victim_pods
+    return (f"preempting {count} pod{'' if count == 1 else 's'} of lower priority on "
+            f"{', '.join(nodes)}; waiting for {'it' if count == 1 else 'them'} to stop")
+
+
+# -- the preemption passes -------------------------------------------------------------------
+
+
+@dataclass
+class _Cluster:
+    """What one preemption pass plans against, updated after each applied plan."""
+
+    snap: Snapshot
+    nodes: list[NodeState]
+    work: RunningWork
+    ledger: Ledger
+    ids: dict[str, str]  # node name -> id
+
+    def applied(self, plan: PreemptionPlan, requests: Sequence[PodRequest]) -> None:
+        gone = {v.key for v in plan.victims}
+        self.nodes = with_placements(without_victims(self.nodes, plan.victims), requests,
+                                     plan.placements)
+        self.work = RunningWork([u for u in self.work.units if u.key not in gone],
+                                self.work.pod_versions)
+
+
+def _cluster(ctx: ServiceContext) -> _Cluster:
+    snap = scheduling.snapshot(ctx)
+    names = {node.id: name for name, node in snap.by_name.items()}
+    with ctx.db.transaction() as session:
+        ledger = quotas.load_ledger(session, ctx.clock.now())
+    return _Cluster(snap, snap.nodes, running_work(ctx, names), ledger,
+                    {name: node.id for name, node in snap.by_name.items()})
+
+
+def _borrowing(cluster: _Cluster, project: str, gpu_type: str | None, milli: int) -> bool:
+    model = scheduling.quota_model(cluster.ledger, project, gpu_type, milli,
+                                   gpu_capacity(cluster.nodes))
+    return model is not None and cluster.ledger.would_borrow(project, model, milli)
+
+
+def preempt_for_pods(ctx: ServiceContext, scheduler: Scheduler,
+                     pod_ids: Sequence[str]) -> list[str]:
+    """Make room for unschedulable pods by preempting lower-priority work; returns the
+    pods that now hold a reservation."""
+    with ctx.db.transaction() as session:
+        pods = session.scalars(
+            select(PodModel).where(PodModel.id.in_(pod_ids),
+                                   PodModel.phase == PodPhase.PENDING.value,
+                                   PodModel.reason == "Unschedulable")
+            .order_by(PodModel.priority.desc(), PodModel.created_at)
+            .limit(MAX_PREEMPTIONS_PER_PASS)).all()
+        session.expunge_all()
+    if not pods:
+        return []
+    cluster = _cluster(ctx)
+    done = []
+    for pod in pods:
+        request = _pod_request(pod)
+        preemptor = Preemptor(pod.id, pod.priority, pod.project_id, (request,),
+                              borrowing=_borrowing(cluster, pod.project_id, pod.gpu_type,
+                                                   round(pod.gpus * 1000)))
+        plan = plan_preemption(scheduler, cluster.nodes, cluster.work.units, preemptor,
+                               cluster.ledger, ctx.clock.now().timestamp())
+        if plan is not None and _apply_for_pod(ctx, pod, plan, cluster):
+            cluster.applied(plan, [request])
+            done.append(pod.id)
+    return done
+
+
+def _pod_request(pod: PodModel) -> PodRequest:
+    whole = int(pod.gpus) if pod.gpus >= 1 else 0
+    share = round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0
+    return PodRequest(key=pod.id, gpus=whole, gpu_milli=share, gpu_model=pod.gpu_type,
+                      cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes)
+
+
+def _apply_for_pod(ctx: ServiceContext, pod: PodModel, plan: PreemptionPlan,
+                   cluster: _Cluster) -> bool:
+    now = ctx.clock.now()
+    summary = victims_summary(plan)
+    with ctx.db.transaction() as session:
+        claimed = rows_changed(session, update(PodModel).where(
+            PodModel.id == pod.id, PodModel.version == pod.version,
+            PodModel.phase == PodPhase.PENDING.value, PodModel.desired_state == "running",
+            PodModel.deleted_at.is_(None),
+        ).values(reason=PREEMPTING, message=summary, unschedulable=None, not_before=None,
+                 updated_at=now, version=PodModel.version + 1))
+        if not claimed or not apply_plan(ctx, session, plan, cluster.work,
+                                         f"pod {pod.name}", now):
+            session.rollback()
+            return False
+        placement = plan.placements[0]
+        reserve(session, Reservation({pod.id: (cluster.ids[placement.node], _milli(placement))}),
+                reservation_until(ctx, now))
+        record_event(session, pod.id, now, PREEMPTING, summary)
+    return True
+
+
+def _milli(placement: Placement) -> dict[str, int]:
+    return {str(i): m for i, m in sorted(placement.gpu_milli.items())}
+
+
+def preempt_for_jobs(ctx: ServiceContext, scheduler: Scheduler,
+                     job_ids: Sequence[str]) -> list[str]:
+    """Make room for unschedulable jobs, each gang whole; returns the jobs that now hold
+    reservations."""
+    with ctx.db.transaction() as session:
+        jobs = session.scalars(
+            select(JobModel).where(JobModel.id.in_(job_ids), JobModel.gang_state == gangs.QUEUED,
+                                   JobModel.reason == "Unschedulable")
+            .order_by(JobModel.priority.desc(), JobModel.created_at)
+            .limit(MAX_PREEMPTIONS_PER_PASS)).all()
+        session.expunge_all()
+    if not jobs:
+        return []
+    cluster = _cluster(ctx)
+    done = []
+    for job in jobs:
+        with ctx.db.transaction() as session:
+            leased = gangs.leased_job(session, job)
+        requests = gangs.member_requests(leased)
+        milli = job.num_nodes * job.gpus_per_node * 1000
+        preemptor = Preemptor(job.id, job.priority, job.project_id, tuple(requests),
+                              Topology(job.topology),
+                              _borrowing(cluster, job.project_id, job.gpu_type, milli))
+        plan = plan_preemption(scheduler, cluster.nodes, cluster.work.units, preemptor,
+                               cluster.ledger, ctx.clock.now().timestamp())
+        if plan is not None and _apply_for_job(ctx, leased, job, plan, cluster):
+            cluster.applied(plan, requests)
+            done.append(job.id)
+    return done
+
+
+def _apply_for_job(ctx: ServiceContext, leased: gangs.LeasedJob, job: JobModel,
+                   plan: PreemptionPlan, cluster: _Cluster) -> bool:
+    now = ctx.clock.now()
+    summary = victims_summary(plan)
+    until = reservation_until(ctx, now)
+    with ctx.db.transaction() as session:
+        claimed = rows_changed(session, update(JobModel).where(
+            JobModel.id == job.id, JobModel.version == job.version,
+            JobModel.gang_state == gangs.QUEUED, JobModel.desired_state == "running",
+            JobModel.deleted_at.is_(None),
+        ).values(reason=PREEMPTING, message=summary, unschedulable=None, not_before=None,
+                 nominated_until=until, updated_at=now, version=JobModel.version + 1))
+        if not claimed or not apply_plan(ctx, session, plan, cluster.work,
+                                         f"job {job.name}", now):
+            session.rollback()
+            return False
+        reserve(session, Reservation({
+            pod_id: (cluster.ids[p.node], _milli(p))
+            for (pod_id, _), p in zip(leased.members, plan.placements, strict=True)}), until)
+    return True
