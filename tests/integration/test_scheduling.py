@@ -117,3 +117,16 @@ def test_a_node_cordoned_after_the_snapshot_refuses_the_bind(
     assert not scheduling._bind(app_ctx, leased[0], token, decision, snap.by_name, versions)
     assert api.get("/v1/pods/racer").json()["phase"] == "Pending"
     assert scheduling.lease_pending(app_ctx, 10)[1] != []
+
+
+def test_a_restarted_pod_is_placed_at_once_not_after_the_unschedulable_wait(
+    api: TestClient, register_node: Callable[..., dict[str, Any]], schedule: Callable[[], Any]
+) -> None:
+    api.post("/v1/pods", json=_pod("early", gpus=1))
+    schedule()
+    assert api.get("/v1/pods/early/why").json()["reasons"] == {}
+    api.post("/v1/pods/early/stop")
+    register_node("a")
+    api.post("/v1/pods/early/start")
+    schedule()
+    assert api.get("/v1/pods/early").json()["node"] == "a"

@@ -213,7 +213,8 @@ def start_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
 
 def requeue(session: Session, pod: PodModel, now: datetime, reason: str,
             message: str | None = None) -> None:
-    """Back to Pending with no node: the scheduler places it again."""
+    """Back to Pending with no node: the scheduler places it at its next pass (a restart
+    back-off, when wanted, is set by the caller afterwards)."""
     transition(session, pod, PodPhase.PENDING, now, reason, message)
     pod.desired_state = "running"
     pod.node_id = None
@@ -221,6 +222,7 @@ def requeue(session: Session, pod: PodModel, now: datetime, reason: str,
     pod.gpu_milli = {}
     pod.exit_code = None
     pod.unschedulable = None
+    pod.not_before = None
 
 
 def delete_pod(ctx: ServiceContext, caller: Principal, ref: str) -> None:
