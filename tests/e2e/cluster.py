@@ -175,11 +175,13 @@ class Cloud:
 
 
 @contextmanager
-def running_cloud(workdir: Path, lease_ttl: float = LEASE_TTL) -> Iterator[Cloud]:
+def running_cloud(workdir: Path, lease_ttl: float = LEASE_TTL,
+                  preemption_grace: float | None = None) -> Iterator[Cloud]:
     """A server on SQLite (short lease TTL and restart back-off); agents added on demand."""
     settings = Settings(home=workdir / "home", database_url=f"sqlite:///{workdir / 'db.sqlite'}",
                         admin_key=ADMIN_KEY, lease_ttl_seconds=lease_ttl,
-                        restart_backoff_seconds=0.2, restart_backoff_max_seconds=1.0)
+                        restart_backoff_seconds=0.2, restart_backoff_max_seconds=1.0,
+                        preemption_grace_seconds=preemption_grace)
     server = ServerThread(settings, free_port())
     server.start()
     cloud = Cloud(server.url, GpucloudClient(server.url, ADMIN_KEY), workdir, server)

@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that run a cloud need root, runc and the registry; the rest run anywhere."""
     reason = skip_reason()
     for item in items:
-        needs = set(getattr(item, "fixturenames", ())) & {"cloud", "images", "registry"}
+        needs = set(getattr(item, "fixturenames", ())) & {"cloud", "images", "registry",
+                                                            "preempting_cloud"}
         if "tests/e2e/" in str(item.fspath) and needs:
             item.add_marker(pytest.mark.root)
             if reason:
@@ -54,4 +55,11 @@ def patient_cloud(tmp_path: Path) -> Iterator[Cloud]:
     """A fresh server whose leases outlast an agent restart on a loaded machine (15 s), for
     tests where the node must stay Ready while its agent is briefly down."""
     with running_cloud(tmp_path, lease_ttl=15.0) as running:
+        yield running
+
+
+@pytest.fixture
+def preempting_cloud(tmp_path: Path) -> Iterator[Cloud]:
+    """A fresh server whose preempted pods get a short grace period (0.5 s)."""
+    with running_cloud(tmp_path, preemption_grace=0.5) as running:
         yield running

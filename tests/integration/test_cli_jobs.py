@@ -50,3 +50,17 @@ def test_bad_job_input_is_one_line(server: str, cli: Cli,  # noqa: F811 - fixtur
     code, _, err = cli("job", "create", "ok", "--image", "busybox", *args)
     assert code == 1 and err.startswith("error: ") and message in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_max_duration_through_the_cli(server: str, cli: Cli) -> None:  # noqa: F811 - fixtures
+    code, _, err = cli("pod", "create", "web", "--image", "busybox", "--max-duration", "2h")
+    assert code == 0, err
+    assert cli.json("pod", "get", "web")["max_duration"] == 7200
+    code, _, err = cli("job", "create", "train", "--nodes", "2", "--gpus-per-node", "1",
+                       "--max-duration", "90", "--image", "busybox")
+    assert code == 0, err
+    assert cli.json("job", "get", "train")["max_duration"] == 90
+    shown = [line.split() for line in cli("job", "get", "train")[1].splitlines()]
+    assert ["max", "duration:", "90s"] in shown
+    code, _, err = cli("pod", "create", "bad", "--image", "busybox", "--max-duration", "soon")
+    assert code == 1 and "max_duration:" in err and len(err.strip().splitlines()) == 1

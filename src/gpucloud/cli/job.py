@@ -35,6 +35,7 @@ def _show_job(job: JobOut) -> None:
         ("topology", job.topology.value), ("priority class", job.priority_class),
         ("restarts", f"{job.restarts} of {job.max_restarts}"),
         ("ready timeout", f"{job.ready_timeout:g}s"), ("master port", job.master_port),
+        ("max duration", f"{job.max_duration:g}s" if job.max_duration else None),
         ("created", job.created_at.isoformat(timespec="seconds")),
     ])
     table(["RANK", "POD", "PHASE", "NODE", "ADDRESS", "READY", "REASON"],
@@ -52,6 +53,8 @@ def create(
     priority_class: Annotated[str | None, typer.Option(
         help="spot, batch (default), on-demand or another class")] = None,
     max_restarts: Annotated[int, typer.Option(help="Gang restarts before Failed")] = 0,
+    max_duration: Annotated[str | None, typer.Option(
+        help="Stop it after this long (90, 30m, 2h); lets it backfill")] = None,
     ready_timeout: Annotated[float, typer.Option(
         help="Seconds for every member to be ready at the start barrier")
     ] = DEFAULT_READY_TIMEOUT_SECONDS,
@@ -72,7 +75,7 @@ def create(
                 "gpus_per_node": gpus_per_node, "topology": topology,
                 "priority_class": priority_class, "max_restarts": max_restarts,
                 "ready_timeout": ready_timeout, "gpu_type": gpu_type, "cpu": cpu,
-                "memory": memory, "env": parse_env(env or []),
+                "memory": memory, "env": parse_env(env or []), "max_duration": max_duration,
             })
         except ValidationError as error:
             raise CliError(validation_message(error)) from None

@@ -36,6 +36,7 @@ def _show_pod(pod: PodOut) -> None:
         ("memory", pod.memory), ("env", ", ".join(f"{k}={v}" for k, v in pod.env.items())),
         ("ports", ", ".join(pod.ports)), ("restart", pod.restart.value),
         ("restarts", pod.restart_count), ("exit code", pod.exit_code),
+        ("max duration", f"{pod.max_duration:g}s" if pod.max_duration else None),
         ("created", pod.created_at.isoformat(timespec="seconds")),
     ])
 
@@ -54,6 +55,8 @@ def create(
     restart: Annotated[str, typer.Option(help="never, on-failure or always")] = "never",
     priority_class: Annotated[str | None, typer.Option(
         help="spot, batch (default), on-demand or another class")] = None,
+    max_duration: Annotated[str | None, typer.Option(
+        help="Stop it after this long (90, 30m, 2h); lets it backfill")] = None,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     """Create a pod: gpucloud pod create NAME --image IMAGE [--gpus N] -- COMMAND [ARGS...]"""
@@ -65,7 +68,7 @@ def create(
                 "name": name, "image": image, "command": command or [], "gpus": gpus,
                 "gpu_type": gpu_type, "cpu": cpu, "memory": memory,
                 "env": parse_env(env or []), "ports": port or [], "restart": restart,
-                "priority_class": priority_class,
+                "priority_class": priority_class, "max_duration": max_duration,
             })
         except ValidationError as error:
             raise CliError(validation_message(error)) from None

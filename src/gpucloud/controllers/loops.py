@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from sqlalchemy.exc import OperationalError
 
 from gpucloud.scheduler import Scheduler
-from gpucloud.services import gangs, leadership, nodes, preemption, scheduling
+from gpucloud.services import gangs, leadership, max_duration, nodes, preemption, scheduling
 from gpucloud.services.context import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,18 @@ class JobController:
         return result
 
 
+class MaxDurationController:
+    """Stops running pods and jobs that have exceeded their declared max duration."""
+
+    name = "max-duration"
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    def tick(self) -> list[str]:
+        return max_duration.enforce(self.ctx)
+
+
 class NodeLeaseController:
     """Marks nodes whose lease lapsed Lost.
 
@@ -91,6 +103,7 @@ class ControllerRunner:
         self.interval = interval_seconds or ctx.settings.scheduler_interval_seconds
         self.scheduling = SchedulingController(ctx)
         self.leases = NodeLeaseController(ctx)
+        self.deadlines = MaxDurationController(ctx)
         self.jobs = JobController(ctx, self.scheduling.scheduler)
         self._leader_until: datetime | None = None
         self._stop = threading.Event()
@@ -112,6 +125,7 @@ class ControllerRunner:
     def run_once(self) -> None:
         if self._is_leader():
             self.leases.tick()
+            self.deadlines.tick()
             self.jobs.tick()
             self.scheduling.tick()
 

@@ -87,6 +87,7 @@ class JobOut(BaseModel):
     topology: Topology = Topology.ANY
     priority_class: str | None = None
     priority: int = 100
+    max_duration: float | None = None
     max_restarts: int = 0
     restarts: int = 0
     ready_timeout: float = DEFAULT_READY_TIMEOUT_SECONDS

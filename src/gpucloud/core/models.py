@@ -17,10 +17,11 @@ from gpucloud.core.gpu_models import canonical_name, is_well_formed
 from gpucloud.core.image_ref import parse_reference
 from gpucloud.core.names import check_dns_label
 from gpucloud.core.phases import NodeStatus, PodPhase, RestartPolicy
-from gpucloud.core.quantities import parse_cpu_milli, parse_memory
+from gpucloud.core.quantities import parse_cpu_milli, parse_duration, parse_memory
 
 MAX_GPUS_PER_POD = 64
 MAX_CPU_MILLI = 1024 * 1000
+MAX_DURATION_SECONDS = 365 * 86400.0
 MAX_MEMORY_BYTES = 64 * 1024**4
 MAX_COMMAND_ARGS = 1024
 MAX_ENV_VARS = 512
@@ -60,6 +61,9 @@ class ContainerRequest(_Request):
     env: dict[str, str] = Field(default_factory=dict)
     #: A priority class (``gpucloud priority-class list``); checked by the server.
     priority_class: DnsName | None = None
+    #: Seconds (or ``30m``, ``2h``) after which running work is stopped
+    #: (``MaxDurationExceeded``); work that declares it may backfill (docs/jobs.md).
+    max_duration: float | None = None
 
     @field_validator("image")
     @classmethod
@@ -76,6 +80,19 @@ class ContainerRequest(_Request):
         if len(value) > MAX_COMMAND_ARGS:
             raise ValueError(f"at most {MAX_COMMAND_ARGS} arguments")
         return value
+
+    @field_validator("max_duration", mode="before")
+    @classmethod
+    def _max_duration(cls, value: str | float | None) -> float | None:
+        if value is None:
+            return None
+        try:
+            seconds = parse_duration("max_duration", value)
+        except InvalidInput as error:
+            raise _reraise("max_duration", error) from None
+        if seconds > MAX_DURATION_SECONDS:
+            raise ValueError("must be at most 365 days")
+        return seconds
 
     @field_validator("gpu_type")
     @classmethod
@@ -195,6 +212,7 @@ class PodOut(BaseModel):
     rank: int | None = None
     priority_class: str | None = None
     priority: int = 100
+    max_duration: float | None = None
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None

@@ -14,6 +14,8 @@ _MEMORY_UNITS: dict[str, int] = {
     "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5,
 }
 _CPU = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(m)?\s*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])?\s*$")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_memory(field: str, value: str | int) -> int:
@@ -42,6 +44,24 @@ def parse_cpu_milli(field: str, value: str | float | int) -> int:
         raise InvalidInput(field, f"{value!r} is not a CPU quantity such as 2, 0.5 or 500m")
     number, milli = match.groups()
     return int(round(float(number) * (1 if milli else 1000)))
+
+
+def parse_duration(field: str, value: str | float | int) -> float:
+    """Seconds in a duration: a number of seconds, or one with an ``s/m/h/d`` suffix
+    (``90``, ``30m``, ``2h``)."""
+    if isinstance(value, bool):
+        raise InvalidInput(field, "must be a duration such as 90, 30m or 2h")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(value)
+        if not match:
+            raise InvalidInput(field, f"{value!r} is not a duration such as 90, 30m or 2h")
+        number, unit = match.groups()
+        seconds = float(number) * _DURATION_UNITS[unit or ""]
+    if seconds <= 0:
+        raise InvalidInput(field, "must be positive")
+    return seconds
 
 
 def format_memory(num_bytes: int) -> str:

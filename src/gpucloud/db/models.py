@@ -128,6 +128,8 @@ class PodModel(Base):
     memory_bytes: Mapped[int] = mapped_column(BigInteger)
     restart_policy: Mapped[str] = mapped_column(String(16))
     stop_grace_seconds: Mapped[float | None] = mapped_column(Float)
+    #: Declared by the user: stopped when it has run this long; lets it backfill.
+    max_duration_seconds: Mapped[float | None] = mapped_column(Float)
     node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
     gpu_uuids: Mapped[list[str]] = mapped_column(JSON)
     gpu_milli: Mapped[dict[str, int]] = mapped_column(JSON)
@@ -206,6 +208,8 @@ class JobModel(Base):
     #: While set and in the future, the members' reservations (``PodModel.nominated_*``)
     #: hold the capacity that preemption freed for this job.
     nominated_until: Mapped[datetime | None]
+    #: Declared by the user: the job is stopped when it has run this long.
+    max_duration_seconds: Mapped[float | None] = mapped_column(Float)
     max_restarts: Mapped[int] = mapped_column(Integer, default=0)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     ready_timeout_seconds: Mapped[float] = mapped_column(Float)

@@ -34,6 +34,9 @@ from gpucloud.services.scheduling import retry_unschedulable
 
 _ACTIVE = [p.value for p in ACTIVE_PHASES]
 
+#: Stops the server decided: the pod keeps this reason, not the agent's "Stopped".
+_SERVER_STOPS = {"Preempted", "MaxDurationExceeded"}
+
 
 def assignments_revision(ctx: ServiceContext, node_id: str) -> int:
     with ctx.db.transaction() as session:
@@ -113,7 +116,7 @@ def _apply_phase(ctx: ServiceContext, session: Session, pod: PodModel,
     target = report.phase
     reason = report.reason or _default_reason(target, report.exit_code)
     message = report.message
-    if target is PodPhase.STOPPED and pod.reason == "Preempted":
+    if target is PodPhase.STOPPED and pod.reason in _SERVER_STOPS:
         reason, message = pod.reason, pod.message  # the stop's cause, not its mechanics
     transition(session, pod, target, now, reason, message)
     if target is PodPhase.RUNNING:

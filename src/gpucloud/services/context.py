@@ -16,9 +16,9 @@ from gpucloud.db.session import Database
 class TtlCache:
     """A small thread-safe cache whose entries expire after ``ttl_seconds`` (monotonic).
 
-    Used for authenticated API keys, so a request does not pay a query for its key: a
-    revocation on this replica clears it at once, one on another replica takes effect
-    within the TTL.
+    Holds what almost every request reads and almost nothing writes (authenticated API
+    keys, priority classes), so a request does not pay a query for them: a change on this
+    replica clears it at once, one on another replica takes effect within the TTL.
     """
 
     def __init__(self, ttl_seconds: float = 5.0, max_entries: int = 10_000) -> None:
@@ -50,7 +50,7 @@ class ServiceContext:
     db: Database
     clock: Clock
     settings: Settings
-    auth_cache: TtlCache = field(default_factory=TtlCache)
+    cache: TtlCache = field(default_factory=TtlCache)
 
 
 _id_lock = threading.Lock()

@@ -40,7 +40,7 @@ from gpucloud.scheduler.gang import GangDecision, place_gang
 from gpucloud.scheduler.preemption import with_placements
 from gpucloud.scheduler.quota import Ledger, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI
-from gpucloud.services import quotas
+from gpucloud.services import backfill, quotas
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.nodes import check_fencing
@@ -88,6 +88,7 @@ class LeasedJob:
     priority: int = 0
     #: The members' reservations (node id, GPU index -> milli) by rank, while they hold.
     reservations: list[tuple[str, dict[str, int]]] | None = None
+    max_duration: float | None = None
 
 
 # -- placement ----------------------------------------------------------------------------
@@ -133,7 +134,8 @@ def leased_job(session: Session, job: JobModel, now: datetime | None = None) -> 
                      job.gpu_type, job.cpu_milli, job.memory_bytes, dict(job.env),
                      [(pod_id, version) for pod_id, version, _, _ in members],
                      job.project_id, job.priority,
-                     reservations if held and len(reservations) == len(members) else None)
+                     reservations if held and len(reservations) == len(members) else None,
+                     job.max_duration_seconds)
 
 
 def member_requests(job: LeasedJob) -> list[PodRequest]:
@@ -157,6 +159,7 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 32) -> JobP
         ledger = quotas.load_ledger(session, ctx.clock.now())
         names = quotas.project_names(session)
     capacity = gpu_capacity(nodes)
+    held = backfill.head_reservation(ctx, nodes)
     for job in _fair_order(jobs, ledger, capacity):
         if job.reservations is not None:
             _bind_reserved(ctx, job, token, snap, versions, result)
@@ -170,19 +173,38 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 32) -> JobP
             result.over_quota.append(job.id)
             continue
         requests = member_requests(job)
-        decision = place_gang(scheduler, nodes, requests, job.topology)
+        decision = _place(ctx, scheduler, nodes, job, held)
         if decision.placements is None:
             _mark_unschedulable(ctx, job, token, decision)
             result.unschedulable.append(job.id)
+            held = held or backfill.head_reservation(ctx, nodes)
         elif _bind(ctx, job, token, decision, snap.by_name, versions):
             nodes = with_placements(nodes, requests, decision.placements)
             if model is not None:
                 ledger.add(job.project_id, model, milli)
             result.placed.append(job.id)
+            held = None if held is not None and held.job_id == job.id else held
         else:
             _release_lock(ctx, job, token)
             result.conflicts.append(job.id)
     return result
+
+
+def _place(ctx: ServiceContext, scheduler: Scheduler, nodes: list[NodeState], job: LeasedJob,
+           held: backfill.GangReservation | None) -> GangDecision:
+    """Place the gang; while another blocked gang holds a backfill reservation, off its
+    nodes unless this job ends in time (declared max duration)."""
+    requests = member_requests(job)
+    if held is None or held.job_id == job.id or not held.closes(job.max_duration,
+                                                                ctx.clock.now()):
+        return place_gang(scheduler, nodes, requests, job.topology)
+    decision = place_gang(scheduler, backfill.restricted(nodes, held), requests, job.topology)
+    closed = backfill.closed_count(nodes, held)
+    if decision.placements is not None or closed == 0:
+        return decision
+    return GangDecision(None, decision.domain, f"{decision.summary}; {closed} "
+                        f"node{'' if closed == 1 else 's'} {held.label()}",
+                        backfill.explain(decision.explanation, closed, held))
 
 
 def _fair_order(jobs: list[LeasedJob], ledger: Ledger,

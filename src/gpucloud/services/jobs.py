@@ -30,11 +30,12 @@ from gpucloud.core.phases import ACTIVE_PHASES, PodPhase, RestartPolicy
 from gpucloud.core.quantities import format_memory
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.scheduler import Explanation
-from gpucloud.services import gangs, priorities
+from gpucloud.services import backfill, gangs, priorities
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event
 from gpucloud.services.pods import bump_assignments, ensure_known_gpu_type, read_logs
 from gpucloud.services.projects import Principal
+from gpucloud.services.scheduling import snapshot
 
 
 def create_job(ctx: ServiceContext, caller: Principal, request: JobCreateRequest) -> JobOut:
@@ -42,8 +43,7 @@ def create_job(ctx: ServiceContext, caller: Principal, request: JobCreateRequest
     _check_member_names(request)
     ensure_known_gpu_type(ctx, request.gpu_type)
     now = ctx.clock.now()
-    with ctx.db.transaction() as session:
-        priority = priorities.resolve(session, request.priority_class)
+    priority = priorities.resolve_cached(ctx, request.priority_class)
     job = _new_job(caller, request, now, priority)
     try:
         with ctx.db.transaction() as session:
@@ -93,6 +93,7 @@ def _new_job(caller: Principal, request: JobCreateRequest, now: datetime,
         memory_bytes=request.memory_bytes, topology=request.topology.value,
         priority_class=priority[0], priority=priority[1],
         max_restarts=request.max_restarts, restarts=0,
+        max_duration_seconds=request.max_duration,
         ready_timeout_seconds=request.ready_timeout, ready_timeouts=0, created_at=now,
         updated_at=now, version=0,
     )
@@ -107,7 +108,8 @@ def _member(job: JobModel, rank: int, now: datetime) -> PodModel:
         gpus=float(job.gpus_per_node), gpu_type=job.gpu_type, cpu_milli=job.cpu_milli,
         memory_bytes=job.memory_bytes, restart_policy=RestartPolicy.NEVER.value,
         priority_class=job.priority_class, priority=job.priority,
-        gpu_uuids=[], gpu_milli={}, attempt=0, restart_count=0, job_id=job.id, rank=rank,
+        max_duration_seconds=job.max_duration_seconds, gpu_uuids=[], gpu_milli={},
+        attempt=0, restart_count=0, job_id=job.id, rank=rank,
         created_at=now, updated_at=now, version=0,
     )
 
@@ -131,7 +133,7 @@ def _job_out(session: Session, job: JobModel, project: str) -> JobOut:
         env=job.env, nodes=job.num_nodes, gpus_per_node=job.gpus_per_node,
         gpu_type=job.gpu_type, cpu=job.cpu_milli / 1000, memory=format_memory(job.memory_bytes),
         topology=Topology(job.topology), priority_class=job.priority_class,
-        priority=job.priority,
+        priority=job.priority, max_duration=job.max_duration_seconds,
         max_restarts=job.max_restarts, restarts=job.restarts,
         ready_timeout=job.ready_timeout_seconds, master_port=master_port(job.id),
         barrier_released=job.barrier_released_at is not None,
@@ -172,8 +174,12 @@ def why_job(ctx: ServiceContext, caller: Principal, ref: str) -> JobWhyOut:
         members = session.scalars(select(PodModel).where(PodModel.job_id == job.id)).all()
         reasons = job.unschedulable or {}
         summary = _why_summary(ctx, job, list(members))
-        return JobWhyOut(job=job.name, phase=JobPhase(job.phase), summary=summary,
-                         reasons=reasons)
+        blocked = job.gang_state == gangs.QUEUED and job.reason == "Unschedulable"
+        job_id, name, phase = job.id, job.name, JobPhase(job.phase)
+    held = backfill.head_reservation(ctx, snapshot(ctx).nodes) if blocked else None
+    if held is not None and held.job_id == job_id:
+        summary = f"{summary}; {held.describe()}"
+    return JobWhyOut(job=name, phase=phase, summary=summary, reasons=reasons)
 
 
 def _why_summary(ctx: ServiceContext, job: JobModel, members: list[PodModel]) -> str:

@@ -43,7 +43,7 @@ def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
         memory_bytes=pod.memory_bytes, env=pod.env, ports=pod.ports,
         restart=RestartPolicy(pod.restart_policy), job_id=pod.job_id, rank=pod.rank,
         priority_class=pod.priority_class, priority=pod.priority,
-        created_at=pod.created_at,
+        max_duration=pod.max_duration_seconds, created_at=pod.created_at,
         updated_at=pod.updated_at, started_at=pod.started_at, finished_at=pod.finished_at,
     )
 
@@ -63,8 +63,7 @@ def ensure_known_gpu_type(ctx: ServiceContext, gpu_type: str | None) -> None:
 def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest) -> PodOut:
     """Record the intent (a Pending pod and its first event) in one transaction."""
     now = ctx.clock.now()
-    with ctx.db.transaction() as session:
-        priority_class, priority = priorities.resolve(session, request.priority_class)
+    priority_class, priority = priorities.resolve_cached(ctx, request.priority_class)
     row = dict(
         id=new_id(), project_id=caller.project_id, name=request.name,
         phase=PodPhase.PENDING.value, reason="Created", message=None, desired_state="running",
@@ -73,7 +72,7 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
         memory_bytes=request.memory_bytes, restart_policy=request.restart.value, node_id=None,
         gpu_uuids=[], gpu_milli={}, exit_code=None, attempt=0, restart_count=0,
         created_at=now, updated_at=now, version=0, priority_class=priority_class,
-        priority=priority,
+        priority=priority, max_duration_seconds=request.max_duration,
     )
     pod = PodModel(**row)
     ensure_known_gpu_type(ctx, request.gpu_type)

@@ -57,21 +57,33 @@ def create_class(ctx: ServiceContext, caller: Principal,
         with ctx.db.transaction() as session:
             session.add(row)
             session.flush()
-            return _out(row)
+            created = _out(row)
     except IntegrityError:
         raise InvalidInput("name", f"priority class {request.name!r} already exists") from None
+    ctx.cache.clear()
+    return created
 
 
-def resolve(session: Session, name: str | None) -> tuple[str, int]:
-    """(name, value) of a class; the default class when ``name`` is None."""
+_CLASSES_KEY = "priority-classes"
+
+
+def resolve_cached(ctx: ServiceContext, name: str | None) -> tuple[str, int]:
+    """(name, value) of a class, the default class when ``name`` is None.
+
+    Read through a short-lived cache of all classes: they change rarely, and this runs on
+    every pod create. A class created on this replica is seen at once (the cache is
+    cleared), one created on another replica within the cache's TTL."""
+    classes = ctx.cache.get(_CLASSES_KEY)
+    if not isinstance(classes, dict):
+        with ctx.db.transaction() as session:
+            rows = session.execute(select(PriorityClassModel.name, PriorityClassModel.value))
+            classes = {name: value for name, value in rows}
+        ctx.cache.put(_CLASSES_KEY, classes)
     name = name or DEFAULT_PRIORITY_CLASS
-    value = session.scalar(select(PriorityClassModel.value)
-                           .where(PriorityClassModel.name == name))
-    if value is None and name in DEFAULT_PRIORITY_CLASSES:
-        value = DEFAULT_PRIORITY_CLASSES[name][0]
+    value = classes.get(name, DEFAULT_PRIORITY_CLASSES.get(name, (None,))[0])
     if value is None:
-        known = sorted({*DEFAULT_PRIORITY_CLASSES,
-                        *session.scalars(select(PriorityClassModel.name))})
+        known = sorted({*DEFAULT_PRIORITY_CLASSES, *classes})
         raise InvalidInput("priority_class",
                            f"unknown priority class {name!r} (known: {', '.join(known)})")
-    return name, value
+    return name, int(value)
+

@@ -109,7 +109,7 @@ def cached_principal(ctx: ServiceContext, key: str | None) -> Principal | None:
     """The caller of a key authenticated in the last few seconds, without a query."""
     if not key:
         return None
-    cached = ctx.auth_cache.get(hash_secret(key))
+    cached = ctx.cache.get(hash_secret(key))
     return cached if isinstance(cached, Principal) else None
 
 
@@ -129,7 +129,7 @@ def authenticate(ctx: ServiceContext, key: str | None) -> Principal:
     if row is None:
         raise Unauthorized("invalid or revoked API key")
     principal = Principal(project_id=row[0], project_name=row[1], is_admin=row[2])
-    ctx.auth_cache.put(key_hash, principal)
+    ctx.cache.put(key_hash, principal)
     return principal
 
 
@@ -187,5 +187,5 @@ def revoke_key(ctx: ServiceContext, caller: Principal, key_ref: str) -> KeyOut:
         key = matches[0]
         key.revoked_at = ctx.clock.now()
         revoked = _key_out(key, caller.project_name)
-    ctx.auth_cache.clear()
+    ctx.cache.clear()
     return revoked

@@ -28,9 +28,10 @@ from gpucloud.scheduler import (
     PodRequest,
     Scheduler,
 )
+from gpucloud.scheduler.preemption import with_placements
 from gpucloud.scheduler.quota import Ledger, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI
-from gpucloud.services import quotas
+from gpucloud.services import backfill, quotas
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, record_events
 
@@ -81,6 +82,7 @@ class LeasedPod:
     nominated_node_id: str | None
     nominated_gpu_milli: dict[str, int] | None
     nominated_until: datetime | None
+    max_duration_seconds: float | None
 
     def reservation(self, now: datetime) -> tuple[str, dict[str, int]] | None:
         """The node id and GPUs held for this pod by a preemption, while they are."""
@@ -93,7 +95,8 @@ class LeasedPod:
 _LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_type,
                    PodModel.cpu_milli, PodModel.memory_bytes, PodModel.unschedulable,
                    PodModel.project_id, PodModel.priority, PodModel.nominated_node_id,
-                   PodModel.nominated_gpu_milli, PodModel.nominated_until)
+                   PodModel.nominated_gpu_milli, PodModel.nominated_until,
+                   PodModel.max_duration_seconds)
 
 
 def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
@@ -215,7 +218,8 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 256) -> Pas
                        gpu_capacity(snap.nodes))
     _mark_over_quota(ctx, token, over)
     result.over_quota = [pod.id for pod, _ in over]
-    decisions = scheduler.schedule(snap.nodes, [pod_request(p) for p in pods])
+    held = backfill.head_reservation(ctx, snap.nodes)
+    decisions = _schedule(scheduler, snap.nodes, pods, held, ctx.clock.now())
     rejected = [(p, d) for p, d in zip(pods, decisions, strict=True) if d.placement is None]
     _mark_unschedulable(ctx, token, rejected)
     result.unschedulable = [pod.id for pod, _ in rejected]
@@ -227,6 +231,28 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 256) -> Pas
         else:
             result.conflicts.append(pod.id)
     return result
+
+
+def _schedule(scheduler: Scheduler, nodes: list[NodeState], pods: list[LeasedPod],
+              held: backfill.GangReservation | None, now: datetime) -> list[Decision]:
+    """Decisions for ``pods`` (in their order). While a blocked gang holds a backfill
+    reservation, pods that could delay it are placed first on the other nodes; then the
+    pods that end in time on what is left, reserved nodes included."""
+    if held is None:
+        return scheduler.schedule(nodes, [pod_request(p) for p in pods])
+    kept = [p for p in pods if held.closes(p.max_duration_seconds, now)]
+    free = [p for p in pods if not held.closes(p.max_duration_seconds, now)]
+    first = scheduler.schedule(backfill.restricted(nodes, held), [pod_request(p) for p in kept])
+    placed = [(pod_request(p), d.placement) for p, d in zip(kept, first, strict=True)
+              if d.placement is not None]
+    after = with_placements(nodes, [r for r, _ in placed], [pl for _, pl in placed])
+    second = scheduler.schedule(after, [pod_request(p) for p in free])
+    closed = backfill.closed_count(nodes, held)
+    by_key = {d.pod_key: d for d in second} | {
+        d.pod_key: Decision(d.pod_key, d.placement,
+                            backfill.explain(d.explanation, closed, held), d.status)
+        for d in first}
+    return [by_key[p.id] for p in pods]
 
 
 def _bind_reserved(ctx: ServiceContext, pod: LeasedPod, token: str, snap: Snapshot,

@@ -1,0 +1,95 @@
+"""Declared max durations, enforced: running work past its ``--max-duration`` is stopped
+with reason ``MaxDurationExceeded``.
+
+Backfill (``services.backfill``) lets work that declares a max duration use nodes reserved
+for a blocked gang, trusting that it ends in time; this step makes the declaration hold.
+A pod is timed from its start (``Running``), a job from the release of its start barrier.
+A stopped pod gets its grace period (SIGTERM, then SIGKILL) from its agent.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from gpucloud.core.phases import PodPhase
+from gpucloud.db.models import JobModel, PodModel
+from gpucloud.db.session import rows_changed
+from gpucloud.services import gangs
+from gpucloud.services.context import ServiceContext
+from gpucloud.services.events import record_event
+from gpucloud.services.pods import bump_assignments
+
+EXCEEDED = "MaxDurationExceeded"
+
+
+def enforce(ctx: ServiceContext) -> list[str]:
+    """Stop every pod and job that has run past its max duration; returns their ids."""
+    now = ctx.clock.now()
+    return [*_stop_pods(ctx, now), *_stop_jobs(ctx, now)]
+
+
+def _overdue(started: datetime | None, max_duration: float | None, now: datetime) -> bool:
+    if started is None or max_duration is None:
+        return False
+    aware = started if started.tzinfo else started.replace(tzinfo=UTC)
+    return aware + timedelta(seconds=max_duration) <= now
+
+
+def _message(max_duration: float) -> str:
+    return f"ran longer than its max duration ({max_duration:g}s)"
+
+
+def _stop_pods(ctx: ServiceContext, now: datetime) -> list[str]:
+    with ctx.db.transaction() as session:
+        rows = session.execute(
+            select(PodModel.id, PodModel.version, PodModel.started_at,
+                   PodModel.max_duration_seconds, PodModel.node_id)
+            .where(PodModel.phase == PodPhase.RUNNING.value, PodModel.job_id.is_(None),
+                   PodModel.max_duration_seconds.is_not(None),
+                   PodModel.desired_state == "running", PodModel.deleted_at.is_(None))
+        ).all()
+    stopped = []
+    for pod_id, version, started, max_duration, node_id in rows:
+        if max_duration is not None and _overdue(started, max_duration, now):
+            with ctx.db.transaction() as session:
+                if _stop_pod(session, pod_id, version, _message(max_duration), now):
+                    bump_assignments(session, node_id)
+                    stopped.append(pod_id)
+    return stopped
+
+
+def _stop_pod(session: Session, pod_id: str, version: int, why: str, now: datetime) -> bool:
+    """Guarded on the pod's version: a pod stopped or changed meanwhile is left alone."""
+    changed = rows_changed(session, update(PodModel).where(
+        PodModel.id == pod_id, PodModel.version == version,
+        PodModel.phase == PodPhase.RUNNING.value, PodModel.desired_state == "running",
+    ).values(desired_state="stopped", reason=EXCEEDED, message=why, updated_at=now,
+             version=PodModel.version + 1))
+    if changed:
+        record_event(session, pod_id, now, EXCEEDED, why)
+    return bool(changed)
+
+
+def _stop_jobs(ctx: ServiceContext, now: datetime) -> list[str]:
+    with ctx.db.transaction() as session:
+        ids = session.scalars(
+            select(JobModel.id).where(JobModel.gang_state == gangs.RUNNING,
+                                      JobModel.max_duration_seconds.is_not(None),
+                                      JobModel.desired_state == "running")
+        ).all()
+    stopped = []
+    for job_id in ids:
+        with ctx.db.transaction() as session:
+            job = session.get_one(JobModel, job_id, with_for_update=True)
+            if job.gang_state != gangs.RUNNING or job.desired_state != "running" or (
+                    not _overdue(job.barrier_released_at, job.max_duration_seconds, now)):
+                continue
+            assert job.max_duration_seconds is not None
+            job.desired_state = "stopped"
+            gangs.teardown(ctx, session, job, gangs.lock_members(session, job.id), now,
+                           gangs.STOP, (EXCEEDED, _message(job.max_duration_seconds)))
+            stopped.append(job_id)
+    return stopped
