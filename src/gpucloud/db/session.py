@@ -25,10 +25,16 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _sqlite_begin_immediate(connection: Any) -> None:
+def _sqlite_begin(connection: Any) -> None:
     """Take SQLite's write lock at BEGIN, so a read-then-write transaction never fails
-    half-way with SQLITE_BUSY; it waits for the lock (busy_timeout) instead."""
-    connection.exec_driver_sql("BEGIN IMMEDIATE")
+    half-way with SQLITE_BUSY; it waits for the lock (busy_timeout) instead. Read-only
+    transactions (``Database.read``) begin deferred: in WAL mode they read a consistent
+    snapshot without queueing behind writers."""
+    read_only = connection.get_execution_options().get(_READ_ONLY, False)
+    connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+_READ_ONLY = "gpucloud_read_only"
 
 
 def make_engine(url: str) -> Engine:
@@ -38,7 +44,7 @@ def make_engine(url: str) -> Engine:
             url, connect_args={"check_same_thread": False, "timeout": 10}, pool_size=8
         )
         event.listen(engine, "connect", _sqlite_pragmas)
-        event.listen(engine, "begin", _sqlite_begin_immediate)
+        event.listen(engine, "begin", _sqlite_begin)
         return engine
     return create_engine(url, pool_size=16, max_overflow=16, pool_recycle=3600)
 
@@ -57,6 +63,9 @@ class Database:
         self.url = url
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._read_sessions = sessionmaker(
+            self.engine.execution_options(**{_READ_ONLY: True}), expire_on_commit=False
+        )
 
     @property
     def is_sqlite(self) -> bool:
@@ -65,6 +74,12 @@ class Database:
     @contextmanager
     def transaction(self) -> Iterator[Session]:
         with self._sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A transaction that only reads (a consistent snapshot; never writes)."""
+        with self._read_sessions() as session, session.begin():
             yield session
 
     def execute_atomic(self, statement: Executable, parameters: dict[str, Any]) -> None:

@@ -39,13 +39,13 @@ _SERVER_STOPS = {"Preempted", "MaxDurationExceeded"}
 
 
 def assignments_revision(ctx: ServiceContext, node_id: str) -> int:
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         return session.get_one(NodeModel, node_id).assignments_revision
 
 
 def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
     """The pods the node must run (or stop): live pods bound to it in an active phase."""
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         node = session.get_one(NodeModel, node_id)
         rows = session.execute(
             select(PodModel, ProjectModel.name, JobModel.barrier_released_at)

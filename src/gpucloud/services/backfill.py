@@ -73,7 +73,7 @@ class GangReservation:
 def head_reservation(ctx: ServiceContext, nodes: Sequence[NodeState]) -> GangReservation | None:
     """The reservation of the blocked head-of-queue gang, if there is one."""
     now = ctx.clock.now()
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         head = session.scalars(
             select(JobModel)
             .where(JobModel.gang_state == "queued", JobModel.reason == "Unschedulable",

@@ -164,7 +164,7 @@ def _allocated_gpus(session: Session) -> dict[str, int]:
 
 
 def list_nodes(ctx: ServiceContext) -> list[NodeOut]:
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         allocated = _allocated_gpus(session)
         nodes = session.scalars(select(NodeModel).order_by(NodeModel.name))
         return [_node_out(n, allocated.get(n.id, 0)) for n in nodes]
@@ -178,7 +178,7 @@ def _find_node(session: Session, ref: str) -> NodeModel:
 
 
 def get_node(ctx: ServiceContext, ref: str) -> NodeOut:
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         node = _find_node(session, ref)
         return _node_out(node, _allocated_gpus(session).get(node.id, 0))
 

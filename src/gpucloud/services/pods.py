@@ -126,14 +126,14 @@ def _node_name(session: Session, node_id: str | None) -> str | None:
 
 
 def get_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         pod = _find(session, caller, ref)
         return pod_out(pod, caller.project_name, _node_name(session, pod.node_id))
 
 
 def list_pods(ctx: ServiceContext, caller: Principal, phase: PodPhase | None = None,
               limit: int = 1000) -> list[PodOut]:
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         query = (
             select(PodModel, NodeModel.name)
             .outerjoin(NodeModel, NodeModel.id == PodModel.node_id)
@@ -148,7 +148,7 @@ def list_pods(ctx: ServiceContext, caller: Principal, phase: PodPhase | None = N
 
 
 def list_events(ctx: ServiceContext, caller: Principal, ref: str) -> list[PodEventOut]:
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         pod = _find(session, caller, ref)
         events = session.scalars(
             select(PodEventModel).where(PodEventModel.pod_id == pod.id).order_by(PodEventModel.id)
@@ -239,7 +239,7 @@ def delete_pod(ctx: ServiceContext, caller: Principal, ref: str) -> None:
 
 
 def why_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodWhyOut:
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         pod = _find(session, caller, ref)
         phase = PodPhase(pod.phase)
         reasons = pod.unschedulable or {}
@@ -260,7 +260,7 @@ def why_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodWhyOut:
 def read_logs(ctx: ServiceContext, caller: Principal, ref: str, offset: int = 0,
               tail_bytes: int | None = None) -> PodLogsOut:
     """The current attempt's output from ``offset`` (or its last ``tail_bytes``)."""
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         pod = _find(session, caller, ref)
         chunks = session.scalars(
             select(PodLogChunkModel)

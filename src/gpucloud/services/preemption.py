@@ -68,7 +68,7 @@ class Reservation:
 def running_work(ctx: ServiceContext, node_names: dict[str, str]) -> RunningWork:
     """Active pods not already stopping, as units: standalone pods, and job members
     grouped by job (a gang is preempted whole)."""
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         rows = session.execute(
             select(PodModel.id, PodModel.version, PodModel.project_id, PodModel.priority,
                    PodModel.job_id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,

@@ -178,7 +178,7 @@ def node_state(node: NodeModel, gpu_used: dict[int, int], cpu_used: int,
 
 
 def snapshot(ctx: ServiceContext) -> Snapshot:
-    with ctx.db.transaction() as session:
+    with ctx.db.read() as session:
         nodes = session.scalars(select(NodeModel).order_by(NodeModel.name)).all()
         gpu, cpu, memory = _usage(session, ctx.clock.now())
     states = [node_state(n, gpu.get(n.id, {}), cpu.get(n.id, 0), memory.get(n.id, 0))
