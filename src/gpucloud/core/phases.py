@@ -46,6 +46,8 @@ POD_TRANSITIONS: dict[PodPhase, frozenset[PodPhase]] = {
 
 #: Phases in which a pod holds resources on its node.
 ACTIVE_PHASES: frozenset[PodPhase] = frozenset({P.SCHEDULED, P.PULLING, P.RUNNING})
+#: The same, as the strings stored in the database (for ``phase IN (...)`` queries).
+ACTIVE_PHASE_VALUES: tuple[str, ...] = tuple(sorted(p.value for p in ACTIVE_PHASES))
 #: Phases after which nothing runs until a restart.
 TERMINAL_PHASES: frozenset[PodPhase] = frozenset({P.SUCCEEDED, P.FAILED, P.STOPPED, P.LOST})
 

@@ -19,6 +19,7 @@ from gpucloud.core.models import (
     AssignmentsOut,
 )
 from gpucloud.core.phases import (
+    ACTIVE_PHASE_VALUES,
     ACTIVE_PHASES,
     TERMINAL_PHASES,
     PodPhase,
@@ -31,8 +32,6 @@ from gpucloud.services.events import transition
 from gpucloud.services.nodes import check_fencing
 from gpucloud.services.pods import bump_assignments, requeue
 from gpucloud.services.scheduling import retry_unschedulable
-
-_ACTIVE = [p.value for p in ACTIVE_PHASES]
 
 #: Stops the server decided: the pod keeps this reason, not the agent's "Stopped".
 _SERVER_STOPS = {"Preempted", "MaxDurationExceeded"}
@@ -51,7 +50,7 @@ def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
             select(PodModel, ProjectModel.name, JobModel.barrier_released_at)
             .join(ProjectModel, ProjectModel.id == PodModel.project_id)
             .outerjoin(JobModel, JobModel.id == PodModel.job_id)
-            .where(PodModel.node_id == node_id, PodModel.phase.in_(_ACTIVE),
+            .where(PodModel.node_id == node_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES),
                    PodModel.deleted_at.is_(None))
             .order_by(PodModel.created_at)
         ).all()

@@ -28,15 +28,13 @@ from sqlalchemy.orm import Session
 
 from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.jobs import Topology
-from gpucloud.core.phases import ACTIVE_PHASES
+from gpucloud.core.phases import ACTIVE_PHASE_VALUES
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.scheduler import Explanation, NodeState
 from gpucloud.scheduler.backfill import GangNeed, Holding, Reservation, Work, ends_in_time, reserve
 from gpucloud.scheduler.gang import LEVELS
 from gpucloud.scheduler.plugins.filters import CORDONED
 from gpucloud.services.context import ServiceContext
-
-_ACTIVE = [p.value for p in ACTIVE_PHASES]
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,7 @@ def _holdings(session: Session, now: datetime) -> list[Holding]:
     rows = session.execute(
         select(PodModel.id, PodModel.node_id, PodModel.gpu_milli, PodModel.started_at,
                PodModel.max_duration_seconds)
-        .where(PodModel.phase.in_(_ACTIVE), PodModel.node_id.is_not(None))
+        .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None))
     ).all()
     reserved = session.execute(
         select(PodModel.id, PodModel.nominated_node_id, PodModel.nominated_gpu_milli,

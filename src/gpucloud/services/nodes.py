@@ -17,7 +17,13 @@ from gpucloud.core.models import (
     NodeRegisterRequest,
     NodeRegisterResponse,
 )
-from gpucloud.core.phases import ACTIVE_PHASES, NodeStatus, PodPhase, RestartPolicy, should_restart
+from gpucloud.core.phases import (
+    ACTIVE_PHASE_VALUES,
+    NodeStatus,
+    PodPhase,
+    RestartPolicy,
+    should_restart,
+)
 from gpucloud.db.models import JoinTokenModel, NodeModel, PodModel
 from gpucloud.db.session import rows_changed
 from gpucloud.services.context import ServiceContext, hash_secret, new_id, new_secret
@@ -25,8 +31,6 @@ from gpucloud.services.events import transition
 from gpucloud.services.pods import requeue
 from gpucloud.services.projects import Principal
 from gpucloud.services.scheduling import retry_unschedulable
-
-_ACTIVE = [p.value for p in ACTIVE_PHASES]
 
 
 def create_join_token(ctx: ServiceContext, caller: Principal) -> JoinTokenOut:
@@ -157,7 +161,7 @@ def _allocated_gpus(session: Session) -> dict[str, int]:
     """Whole-GPU equivalents held on each node by its active pods."""
     rows = session.execute(
         select(PodModel.node_id, func.sum(PodModel.gpus))
-        .where(PodModel.phase.in_(_ACTIVE), PodModel.node_id.is_not(None))
+        .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None))
         .group_by(PodModel.node_id)
     )
     return {node_id: int(total or 0) for node_id, total in rows if node_id}
@@ -227,7 +231,7 @@ def expire_leases(ctx: ServiceContext) -> list[str]:
 def _lose_pods(session: Session, node_id: str, node_name: str,
                now: datetime) -> None:
     pods = session.scalars(
-        select(PodModel).where(PodModel.node_id == node_id, PodModel.phase.in_(_ACTIVE))
+        select(PodModel).where(PodModel.node_id == node_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES))
     ).all()
     for pod in pods:
         transition(session, pod, PodPhase.LOST, now, "NodeLost",

@@ -26,7 +26,6 @@ from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.projects import Principal
 
-_ACTIVE = [p.value for p in ACTIVE_PHASES]
 #: Pending reasons whose message is the answer to ``why``: over quota, or waiting for the
 #: victims of its preemption to stop.
 _WAITING_REASONS = {"OverQuota", "Preempting"}

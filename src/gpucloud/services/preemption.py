@@ -23,7 +23,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from gpucloud.core.jobs import Topology
-from gpucloud.core.phases import ACTIVE_PHASES, PodPhase
+from gpucloud.core.phases import ACTIVE_PHASE_VALUES, ACTIVE_PHASES, PodPhase
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.db.session import rows_changed
 from gpucloud.scheduler import NodeState, Placement, PodRequest, Scheduler
@@ -43,7 +43,6 @@ from gpucloud.services.events import record_event
 from gpucloud.services.pods import bump_assignments
 from gpucloud.services.scheduling import Snapshot
 
-_ACTIVE = [p.value for p in ACTIVE_PHASES]
 #: Preemption attempts per pass: each is a planner run over the cluster.
 MAX_PREEMPTIONS_PER_PASS = 4
 PREEMPTED = "Preempted"
@@ -73,7 +72,7 @@ def running_work(ctx: ServiceContext, node_names: dict[str, str]) -> RunningWork
             select(PodModel.id, PodModel.version, PodModel.project_id, PodModel.priority,
                    PodModel.job_id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,
                    PodModel.memory_bytes, PodModel.started_at, PodModel.updated_at)
-            .where(PodModel.phase.in_(_ACTIVE), PodModel.node_id.is_not(None),
+            .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None),
                    PodModel.desired_state == "running", PodModel.deleted_at.is_(None))
         ).all()
     versions: dict[str, int] = {}
@@ -117,7 +116,7 @@ def _stop_pod(ctx: ServiceContext, session: Session, pod_id: str, version: int, 
     if grace is not None:
         values["stop_grace_seconds"] = grace
     stopped = rows_changed(session, update(PodModel).where(
-        PodModel.id == pod_id, PodModel.version == version, PodModel.phase.in_(_ACTIVE),
+        PodModel.id == pod_id, PodModel.version == version, PodModel.phase.in_(ACTIVE_PHASE_VALUES),
         PodModel.desired_state == "running", PodModel.deleted_at.is_(None)).values(**values))
     if not stopped:
         return False

@@ -11,14 +11,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpucloud.core.errors import NotFound
-from gpucloud.core.phases import ACTIVE_PHASES, PodPhase
+from gpucloud.core.phases import ACTIVE_PHASE_VALUES, PodPhase
 from gpucloud.core.policy import QuotaOut, QuotaSetRequest
 from gpucloud.db.models import NodeModel, PodModel, ProjectModel, QuotaModel
 from gpucloud.scheduler.quota import Ledger, Quota
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.projects import Principal
-
-_ACTIVE = [p.value for p in ACTIVE_PHASES]
 
 
 def set_quota(ctx: ServiceContext, caller: Principal, project: str,
@@ -74,7 +72,7 @@ def load_ledger(session: Session, now: datetime) -> Ledger:
     models = _gpu_models(session.execute(select(NodeModel.id, NodeModel.gpus)))
     held = session.execute(
         select(PodModel.project_id, PodModel.node_id, PodModel.gpu_milli)
-        .where(PodModel.phase.in_(_ACTIVE), PodModel.node_id.is_not(None))).all()
+        .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None))).all()
     reserved = session.execute(
         select(PodModel.project_id, PodModel.nominated_node_id, PodModel.nominated_gpu_milli)
         .where(PodModel.phase == PodPhase.PENDING.value,

@@ -17,7 +17,7 @@ from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpucloud.core.gpu_models import canonical_name
-from gpucloud.core.phases import ACTIVE_PHASES, NodeStatus, PodPhase
+from gpucloud.core.phases import ACTIVE_PHASE_VALUES, NodeStatus, PodPhase
 from gpucloud.db.models import Base, JobModel, NodeModel, PodModel
 from gpucloud.db.session import rows_changed
 from gpucloud.scheduler import (
@@ -40,7 +40,6 @@ OVER_QUOTA = "OverQuota"
 #: An unschedulable pod is looked at again after this long, or at once when capacity
 #: appears (a node registers or is uncordoned, a pod ends): see ``retry_unschedulable``.
 UNSCHEDULABLE_RETRY_SECONDS = 30.0
-_ACTIVE = [p.value for p in ACTIVE_PHASES]
 
 
 @dataclass
@@ -144,7 +143,7 @@ def _usage(session: Session, now: datetime) -> Usage:
     memory: dict[str, int] = defaultdict(int)
     held = session.execute(
         select(PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli, PodModel.memory_bytes)
-        .where(PodModel.phase.in_(_ACTIVE), PodModel.node_id.is_not(None))
+        .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None))
     ).all()
     reserved = session.execute(
         select(PodModel.nominated_node_id, PodModel.nominated_gpu_milli, PodModel.cpu_milli,
