@@ -204,6 +204,62 @@ def test_the_owner_reclaims_borrowed_work_and_a_borrower_cannot(
     assert _phases(api, owner) == {"mine": "Running"}
 
 
+def test_an_owner_reclaims_borrowed_work_of_its_own_class(
+    api: TestClient, register_node: Register, schedule: Tick
+) -> None:
+    nodes = [register_node("a"), register_node("b")]
+    owner, borrower = _project(api, "owner"), _project(api, "borrower")
+    api.put("/v1/quotas/owner", json={"gpus": {"H100-80GB": 8}, "borrow_limit": 8})
+    api.put("/v1/quotas/borrower", json={"gpus": {"H100-80GB": 4}, "borrow_limit": 12})
+    _fill(api, schedule, nodes, "lent", 4, 4, "batch", borrower)  # 12 of its 16 borrowed
+    api.post("/v1/pods", json=_pod("mine", 8, "batch"), headers=owner)
+    schedule()
+    why = api.get("/v1/pods/mine/why", headers=owner).json()["summary"]
+    assert why.startswith("preempting 2 pods running on borrowed quota on ")
+    stopping = [p for p in api.get("/v1/pods", headers=borrower).json()
+                if p["desired_state"] == "stopped"]
+    assert {p["message"] for p in stopping} == {
+        "preempted by pod mine to reclaim its project's quota"}
+    assert len({p["node"] for p in stopping}) == 1
+    _agent_step(api, *nodes)
+    schedule()
+    _agent_step(api, *nodes)
+    assert _phases(api, owner) == {"mine": "Running"}
+    # beyond its quota the owner borrows like anyone else, and takes nothing back
+    api.post("/v1/pods", json=_pod("more", 4, "batch"), headers=owner)
+    schedule()
+    assert api.get("/v1/pods/more", headers=owner).json()["reason"] == "Unschedulable"
+    assert sorted(_phases(api, borrower).values()) == ["Running", "Running", "Stopped",
+                                                      "Stopped"]
+
+
+def test_a_job_within_its_quota_reclaims_a_borrowed_gang_of_its_own_class(
+    api: TestClient, register_node: Register, jobs_tick: Tick
+) -> None:
+    nodes = [register_node(n, address=f"127.0.0.{i + 2}") for i, n in enumerate("ab")]
+    owner, borrower = _project(api, "owner"), _project(api, "borrower")
+    api.put("/v1/quotas/owner", json={"gpus": {"H100-80GB": 16}})
+    job = {"image": "busybox", "nodes": 2, "gpus_per_node": 8}
+    api.post("/v1/jobs", json=job | {"name": "lent"}, headers=borrower)
+    jobs_tick()
+    _agent_step(api, *nodes)
+    api.post("/v1/jobs", json=job | {"name": "train"}, headers=owner)
+    jobs_tick()
+    assert "2 pods running on borrowed quota" in api.get(
+        "/v1/jobs/train/why", headers=owner).json()["summary"]
+    assert api.get("/v1/jobs/lent", headers=borrower).json()["message"] == (
+        "preempted by job train to reclaim its project's quota")
+    _agent_step(api, *nodes)
+    jobs_tick()
+    trained = api.get("/v1/jobs/train", headers=owner).json()
+    assert [m["phase"] for m in trained["members"]] == ["Scheduled", "Scheduled"]
+    # requeued, the borrowed gang waits: it may not take the owner's quota in turn
+    jobs_tick()
+    assert api.get("/v1/jobs/lent", headers=borrower).json()["phase"] == "Pending"
+    assert [m["phase"] for m in api.get("/v1/jobs/train", headers=owner).json()["members"]
+            ] == ["Scheduled", "Scheduled"]
+
+
 def test_a_borrower_never_preempts_work_within_a_quota(
     api: TestClient, register_node: Register, schedule: Tick
 ) -> None:

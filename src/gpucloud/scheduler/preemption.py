@@ -7,11 +7,16 @@ the preemptor gets once they are gone, or None.
 
 The rules:
 
-- only work of strictly lower priority is ever a victim;
+- a victim has strictly lower priority than the preemptor — with one exception, reclaim:
+  a preemptor asking for GPUs within its project's quota (``Preemptor.reclaiming``) may
+  also take another project's work of *equal* priority that runs on borrowed capacity, as
+  long as that project keeps at least its quota. Borrowed work thus ranks just below
+  in-quota work of its class (as in Kueue), so a quota is guaranteed against borrowers of
+  the same class even when everything runs at the default class. Work of higher priority
+  is never a victim;
 - a gang is a victim whole or not at all (``Running`` is the unit);
 - a preemptor that would borrow (run beyond its project's quota) never takes work that is
-  within another project's quota (``quota.Ledger.protected``) — reclaim goes the other way:
-  an owner within its quota may take borrowed work back;
+  within another project's quota (``quota.Ledger.protected``);
 - among the ways to make room: the fewest victim pods, then the lowest highest victim
   priority, then the least GPU-time lost (GPUs x seconds run so far).
 
@@ -63,7 +68,9 @@ class Running:
 class Preemptor:
     """Pending work that fits nowhere: one request per member (one for a pod).
 
-    ``borrowing``: it would run beyond its project's quota.
+    ``borrowing``: it would run beyond its project's quota. ``reclaiming``: it asks for
+    GPUs within its project's quota, so it may take back other projects' borrowed work of
+    its own priority.
     """
 
     key: str
@@ -72,12 +79,16 @@ class Preemptor:
     members: tuple[PodRequest, ...]
     topology: Topology = Topology.ANY
     borrowing: bool = False
+    reclaiming: bool = False
 
 
 @dataclass(frozen=True)
 class PreemptionPlan:
+    """``reclaimed``: the keys of the victims taken back as borrowed work (equal priority)."""
+
     victims: tuple[Running, ...]
     placements: tuple[Placement, ...]
+    reclaimed: frozenset[str] = frozenset()
 
     @property
     def victim_pods(self) -> int:
@@ -97,7 +108,7 @@ def plan_preemption(scheduler: Scheduler, nodes: Sequence[NodeState],
     if not preemptor.members:
         return None
     candidates = sorted(
-        (r for r in running if r.priority < preemptor.priority),
+        (r for r in running if r.priority < preemptor.priority or _reclaimable(r, preemptor)),
         key=lambda r: (r.priority, r.gpu_time_lost(now), r.key))
     if not candidates:
         return None
@@ -110,8 +121,22 @@ def plan_preemption(scheduler: Scheduler, nodes: Sequence[NodeState],
                if (choice := _node_choice(scheduler, node, on_node.get(node.name, []),
                                           preemptor, ledger, models, now)) is not None}
     if len(preemptor.members) == 1:
-        return _single(scheduler, nodes, choices, preemptor)
-    return _gang(scheduler, nodes, choices, preemptor, _Context(ledger, models, now))
+        found = _single(scheduler, nodes, choices, preemptor)
+    else:
+        found = _gang(scheduler, nodes, choices, preemptor, _Context(ledger, models, now))
+    if found is None:
+        return None
+    return replace(found, reclaimed=frozenset(
+        v.key for v in found.victims if v.priority >= preemptor.priority))
+
+
+def _reclaimable(unit: Running, preemptor: Preemptor) -> bool:
+    """Whether ``unit`` is a reclaim candidate: another project's GPU work of the
+    preemptor's own priority, the preemptor within its quota (``_may_take`` then checks
+    that the work is borrowed)."""
+    return (preemptor.reclaiming and unit.priority == preemptor.priority
+            and unit.project != preemptor.project
+            and any(m.gpu_milli for m in unit.members))
 
 
 def _gpu_models(nodes: Sequence[NodeState]) -> dict[tuple[str, int], str]:
@@ -165,8 +190,11 @@ def _cost(victims: Sequence[Running], now: float) -> tuple[int, int, float]:
 
 def _may_take(victims: Sequence[Running], preemptor: Preemptor, ledger: Ledger,
               models: dict[tuple[str, int], str]) -> bool:
-    """A borrowing preemptor leaves every other project at least at its quota."""
-    if not preemptor.borrowing:
+    """Whether the victims leave every other project at least at its quota, where that
+    must hold: always for a borrowing preemptor, and for each project whose work of equal
+    priority is reclaimed (only what it borrowed may be taken back)."""
+    reclaimed = {u.project for u in victims if u.priority >= preemptor.priority}
+    if not preemptor.borrowing and not reclaimed:
         return True
     taken: dict[tuple[str, str], int] = defaultdict(int)
     for unit in victims:
@@ -176,7 +204,8 @@ def _may_take(victims: Sequence[Running], preemptor: Preemptor, ledger: Ledger,
             for index, milli in member.gpu_milli.items():
                 taken[unit.project, models.get((member.node, index), "")] += milli
     return not any(ledger.protected(project, model, milli)
-                   for (project, model), milli in taken.items())
+                   for (project, model), milli in taken.items()
+                   if preemptor.borrowing or project in reclaimed)
 
 
 def _fits(scheduler: Scheduler, node: NodeState, request: PodRequest) -> bool:

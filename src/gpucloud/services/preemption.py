@@ -94,7 +94,6 @@ def running_work(ctx: ServiceContext, node_names: dict[str, str]) -> RunningWork
 def apply_plan(ctx: ServiceContext, session: Session, plan: PreemptionPlan,
                work: RunningWork, preemptor: str, now: datetime) -> bool:
     """Ask every victim to stop, naming the preemptor; False if any of them changed."""
-    why = f"preempted by {preemptor}"
     jobs = sorted(v.key for v in plan.victims if v.key not in work.pod_versions)
     pods = sorted(v.key for v in plan.victims if v.key in work.pod_versions)
     locked = {job.id: job for job in session.scalars(
@@ -103,8 +102,16 @@ def apply_plan(ctx: ServiceContext, session: Session, plan: PreemptionPlan,
         PodModel.id.in_(pods) | PodModel.job_id.in_(jobs))) if n})
     session.execute(select(NodeModel.id).where(NodeModel.id.in_(node_ids))
                     .order_by(NodeModel.id).with_for_update())
-    return all(_stop_gang(ctx, session, locked.get(job_id), why, now) for job_id in jobs) and all(
-        _stop_pod(ctx, session, pod_id, work.pod_versions[pod_id], why, now) for pod_id in pods)
+    return all(_stop_gang(ctx, session, locked.get(job_id), _why(plan, job_id, preemptor), now)
+               for job_id in jobs) and all(
+        _stop_pod(ctx, session, pod_id, work.pod_versions[pod_id],
+                  _why(plan, pod_id, preemptor), now) for pod_id in pods)
+
+
+def _why(plan: PreemptionPlan, victim: str, preemptor: str) -> str:
+    """``preempted by job train``, or for reclaim ``... to reclaim its project's quota``."""
+    why = f"preempted by {preemptor}"
+    return f"{why} to reclaim its project's quota" if victim in plan.reclaimed else why
 
 
 def _stop_pod(ctx: ServiceContext, session: Session, pod_id: str, version: int, why: str,
@@ -156,10 +163,16 @@ def reservation_until(ctx: ServiceContext, now: datetime) -> datetime:
 
 
 def victims_summary(plan: PreemptionPlan) -> str:
+    """``preempting 2 pods of lower priority and 1 pod running on borrowed quota on a, b;
+    waiting for them to stop``."""
     nodes = sorted({m.node for v in plan.victims for m in v.members})
     count = plan.victim_pods
-    return (f"preempting {count} pod{'' if count == 1 else 's'} of lower priority on "
-            f"{', '.join(nodes)}; waiting for {'it' if count == 1 else 'them'} to stop")
+    reclaimed = sum(len(v.members) for v in plan.victims if v.key in plan.reclaimed)
+    kinds = [f"{n} pod{'' if n == 1 else 's'} {what}"
+             for n, what in ((count - reclaimed, "of lower priority"),
+                             (reclaimed, "running on borrowed quota")) if n]
+    return (f"preempting {' and '.join(kinds)} on {', '.join(nodes)}; "
+            f"waiting for {'it' if count == 1 else 'them'} to stop")
 
 
 # -- the preemption passes -------------------------------------------------------------------
@@ -175,8 +188,19 @@ class _Cluster:
     ledger: Ledger
     ids: dict[str, str]  # node name -> id
 
-    def applied(self, plan: PreemptionPlan, requests: Sequence[PodRequest]) -> None:
+    def applied(self, plan: PreemptionPlan, requests: Sequence[PodRequest],
+                project: str) -> None:
+        """The plan's victims gone and its preemptor (of ``project``) placed."""
         gone = {v.key for v in plan.victims}
+        models = {(n.name, g.index): g.model for n in self.nodes for g in n.gpus}
+        for unit in plan.victims:
+            for member in unit.members:
+                for index, milli in member.gpu_milli.items():
+                    self.ledger.remove(unit.project, models.get((member.node, index), ""),
+                                       milli)
+        for placement in plan.placements:
+            for index, milli in placement.gpu_milli.items():
+                self.ledger.add(project, models.get((placement.node, index), ""), milli)
         self.nodes = with_placements(without_victims(self.nodes, plan.victims), requests,
                                      plan.placements)
         self.work = RunningWork([u for u in self.work.units if u.key not in gone],
@@ -192,10 +216,23 @@ def _cluster(ctx: ServiceContext) -> _Cluster:
                     {name: node.id for name, node in snap.by_name.items()})
 
 
-def _borrowing(cluster: _Cluster, project: str, gpu_type: str | None, milli: int) -> bool:
+@dataclass(frozen=True)
+class _Standing:
+    """Where a preemptor stands against its project's quota."""
+
+    borrowing: bool
+    reclaiming: bool
+
+
+def _standing(cluster: _Cluster, project: str, gpu_type: str | None, milli: int) -> _Standing:
+    """Borrowing: it would run beyond its quota. Reclaiming: it asks for GPUs and stays
+    within its quota, so it may take others' borrowed work back."""
     model = scheduling.quota_model(cluster.ledger, project, gpu_type, milli,
                                    gpu_capacity(cluster.nodes))
-    return model is not None and cluster.ledger.would_borrow(project, model, milli)
+    if model is None:
+        return _Standing(False, False)
+    borrowing = cluster.ledger.would_borrow(project, model, milli)
+    return _Standing(borrowing, milli > 0 and not borrowing)
 
 
 def preempt_for_pods(ctx: ServiceContext, scheduler: Scheduler,
@@ -216,13 +253,13 @@ def preempt_for_pods(ctx: ServiceContext, scheduler: Scheduler,
     done = []
     for pod in pods:
         request = _pod_request(pod)
+        standing = _standing(cluster, pod.project_id, pod.gpu_type, round(pod.gpus * 1000))
         preemptor = Preemptor(pod.id, pod.priority, pod.project_id, (request,),
-                              borrowing=_borrowing(cluster, pod.project_id, pod.gpu_type,
-                                                   round(pod.gpus * 1000)))
+                              borrowing=standing.borrowing, reclaiming=standing.reclaiming)
         plan = plan_preemption(scheduler, cluster.nodes, cluster.work.units, preemptor,
                                cluster.ledger, ctx.clock.now().timestamp())
         if plan is not None and _apply_for_pod(ctx, pod, plan, cluster):
-            cluster.applied(plan, [request])
+            cluster.applied(plan, [request], pod.project_id)
             done.append(pod.id)
     return done
 
@@ -280,13 +317,13 @@ def preempt_for_jobs(ctx: ServiceContext, scheduler: Scheduler,
             leased = gangs.leased_job(session, job)
         requests = gangs.member_requests(leased)
         milli = job.num_nodes * job.gpus_per_node * 1000
+        standing = _standing(cluster, job.project_id, job.gpu_type, milli)
         preemptor = Preemptor(job.id, job.priority, job.project_id, tuple(requests),
-                              Topology(job.topology),
-                              _borrowing(cluster, job.project_id, job.gpu_type, milli))
+                              Topology(job.topology), standing.borrowing, standing.reclaiming)
         plan = plan_preemption(scheduler, cluster.nodes, cluster.work.units, preemptor,
                                cluster.ledger, ctx.clock.now().timestamp())
         if plan is not None and _apply_for_job(ctx, leased, job, plan, cluster):
-            cluster.applied(plan, requests)
+            cluster.applied(plan, requests, job.project_id)
             done.append(job.id)
     return done
 

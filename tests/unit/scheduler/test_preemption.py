@@ -1,5 +1,6 @@
-"""Victim selection: strictly lower priority, fewest victims, lowest priority, least GPU-time
-lost; gangs whole; never within another project's quota for a borrower."""
+"""Victim selection: strictly lower priority (or equal-priority borrowed work, reclaimed by an
+owner within its quota), fewest victims, lowest priority, least GPU-time lost; gangs whole;
+never within another project's quota for a borrower or a reclaim."""
 
 from __future__ import annotations
 
@@ -59,10 +60,11 @@ def cluster(names: str, running: Sequence[Running], gpus: int = 8,
 
 
 def wants(gpus: int, members: int = 1, priority: int = 1000, project: str = "q",
-          borrowing: bool = False, topology: Topology = Topology.ANY) -> Preemptor:
+          borrowing: bool = False, topology: Topology = Topology.ANY,
+          reclaiming: bool = False) -> Preemptor:
     return Preemptor("new", priority, project,
                      tuple(PodRequest(f"new-{r}", gpus=gpus, cpu_milli=1000, memory_bytes=GIB)
-                           for r in range(members)), topology, borrowing)
+                           for r in range(members)), topology, borrowing, reclaiming)
 
 
 def plan(running: list[Running], preemptor: Preemptor, names: str = "ab",
@@ -139,11 +141,65 @@ def test_a_borrower_never_takes_work_within_another_projects_quota() -> None:
                         ledger=ledger)) == ["lent"]
 
 
+def _ledger(running: Sequence[Running], **quotas: int) -> Ledger:
+    ledger = Ledger({project: Quota({H100: gpus}, None) for project, gpus in quotas.items()})
+    for unit in running:
+        for m in unit.members:
+            ledger.add(unit.project, H100, sum(m.gpu_milli.values()))
+    return ledger
+
+
+def test_an_owner_reclaims_borrowed_work_of_its_own_priority() -> None:
+    # the borrower holds 16 GPUs on a quota of 8: one of its 8-GPU pods is borrowed
+    running = [pod_on("b0", "a", range(8), 100, "borrower", started=10),
+               pod_on("b1", "b", range(8), 100, "borrower", started=20)]
+    ledger = _ledger(running, owner=8, borrower=8)
+    owner = wants(8, priority=100, project="owner", reclaiming=True)
+    result = plan(running, owner, ledger=ledger)
+    assert victims(result) == ["b1"]  # the least GPU-time lost
+    assert result is not None and result.reclaimed == frozenset({"b1"})
+    # not without the owner's standing, not once the borrower is back within its quota
+    assert plan(running, replace(owner, reclaiming=False), ledger=ledger) is None
+    assert plan(running, owner, ledger=_ledger(running, owner=8, borrower=16)) is None
+    # nor from its own project, nor work of higher priority
+    assert plan(running, replace(owner, project="borrower"), ledger=ledger) is None
+    assert plan(running, replace(owner, priority=50), ledger=ledger) is None
+
+
+def test_reclaim_takes_only_what_was_borrowed_and_prefers_lower_priority() -> None:
+    # 8 of the borrower's 12 GPUs are its quota: only the 4-GPU pod is borrowed, and a
+    # 4-GPU reclaim leaves it at its quota while an 8-GPU one would not
+    running = [pod_on("in-quota", "a", range(8), 100, "borrower"),
+               pod_on("lent", "b", range(4), 100, "borrower"),
+               pod_on("cheap", "b", range(4, 8), 0, "third")]
+    ledger = _ledger(running, owner=8, borrower=8)
+    assert plan(running, wants(8, priority=100, project="owner", reclaiming=True),
+                ledger=ledger) is not None  # both of b's pods: lent (reclaim) and cheap
+    result = plan(running, wants(4, priority=100, project="owner", reclaiming=True),
+                  ledger=ledger)
+    assert victims(result) == ["cheap"] and result is not None and not result.reclaimed
+    # the third project's pod, now of equal priority and within its own quota, stays
+    guarded = [replace(u, priority=100) if u.key == "cheap" else u for u in running]
+    assert victims(plan(guarded, wants(4, priority=100, project="owner", reclaiming=True),
+                        ledger=_ledger(guarded, owner=8, borrower=8, third=4))) == ["lent"]
+    full_a = [u for u in running if u.key == "in-quota"]
+    assert plan(full_a, wants(8, priority=100, project="owner", reclaiming=True), names="a",
+                ledger=ledger) is None
+
+
+def test_a_reclaimed_gang_goes_whole() -> None:
+    running = [gang_on("g", {"a": range(8), "b": range(8)}, 100, "borrower")]
+    ledger = _ledger(running, owner=8)
+    assert victims(plan(running, wants(8, priority=100, project="owner", reclaiming=True),
+                        ledger=ledger)) == ["g"]
+
+
 # -- properties --------------------------------------------------------------------------
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[list[NodeState], list[Running], Preemptor, Ledger]:
+def workloads(draw: st.DrawFn, priorities: Sequence[int] = (0, 100, 1000)
+              ) -> tuple[list[NodeState], list[Running], Preemptor, Ledger]:
     names = "abcdef"[:draw(st.integers(2, 6))]
     projects = ["x", "y", "z"]
     running: list[Running] = []
@@ -157,7 +213,7 @@ def workloads(draw: st.DrawFn) -> tuple[list[NodeState], list[Running], Preempto
         members = tuple(Member(h, {i: 1000 for i in free[h][:size]}, 500, GIB) for h in hosts)
         for h in hosts:
             free[h] = free[h][size:]
-        running.append(Running(f"w{k}", draw(st.sampled_from([0, 100, 1000])),
+        running.append(Running(f"w{k}", draw(st.sampled_from(priorities)),
                                draw(st.sampled_from(projects)),
                                draw(st.floats(0, NOW)), members))
     quotas = {p: Quota({H100: draw(st.integers(0, 16))}, draw(st.sampled_from([0, 4, None])))
@@ -168,13 +224,14 @@ def workloads(draw: st.DrawFn) -> tuple[list[NodeState], list[Running], Preempto
             ledger.add(unit.project, H100, sum(m.gpu_milli.values()))
     project = draw(st.sampled_from(projects))
     gpus, members = draw(st.sampled_from([1, 2, 4, 8])), draw(st.integers(1, 2))
-    preemptor = wants(gpus, members, draw(st.sampled_from([0, 100, 1000])), project,
-                      ledger.would_borrow(project, H100, gpus * members * 1000))
+    borrowing = ledger.would_borrow(project, H100, gpus * members * 1000)
+    preemptor = wants(gpus, members, draw(st.sampled_from(priorities)), project,
+                      borrowing, reclaiming=not borrowing)
     return cluster(names, running), running, preemptor, ledger
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
+@given(st.one_of(workloads(), workloads(priorities=[100])))
 def test_plans_respect_priority_quota_and_capacity(
     case: tuple[list[NodeState], list[Running], Preemptor, Ledger]
 ) -> None:
@@ -182,12 +239,17 @@ def test_plans_respect_priority_quota_and_capacity(
     result = plan_preemption(Scheduler(), nodes, running, preemptor, ledger, NOW)
     if result is None:
         return
-    # strictly lower priority only, whole units only
-    assert all(v.priority < preemptor.priority for v in result.victims)
+    # strictly lower priority, or equal priority reclaimed by an owner within its quota
+    # from another project; never higher; whole units only
+    for victim in result.victims:
+        assert victim.priority < preemptor.priority or (
+            victim.priority == preemptor.priority and preemptor.reclaiming
+            and victim.project != preemptor.project and victim.key in result.reclaimed)
     assert all(v in running for v in result.victims)
-    # a borrower leaves every other project at least at its quota
-    if preemptor.borrowing:
-        for project in {v.project for v in result.victims} - {preemptor.project}:
+    # a borrower, and a reclaim, leave the other project at least at its quota
+    reclaimed = {v.project for v in result.victims if v.key in result.reclaimed}
+    for project in {v.project for v in result.victims} - {preemptor.project}:
+        if preemptor.borrowing or project in reclaimed:
             taken = sum(sum(m.gpu_milli.values()) for v in result.victims
                         if v.project == project for m in v.members)
             assert not ledger.protected(project, H100, taken)
