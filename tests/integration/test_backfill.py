@@ -132,6 +132,36 @@ def test_later_jobs_backfill_only_when_they_end_in_time(
     assert "reserved for job big from " in why["summary"], why
 
 
+def test_work_that_outranks_the_gang_may_use_its_reserved_nodes(
+    api: TestClient, blocked: list[dict[str, Any]], schedule: Tick
+) -> None:
+    api.post("/v1/pods", json={"name": "urgent", "image": "busybox", "gpus": 4,
+                               "priority_class": "on-demand"})
+    schedule()
+    assert api.get("/v1/pods/urgent").json()["node"] == _node_of(api, "short-b")
+
+
+def test_preemption_takes_reserved_nodes_only_for_work_that_outranks_the_gang(
+    api: TestClient, blocked: list[dict[str, Any]], schedule: Tick
+) -> None:
+    pod = {"image": "busybox", "gpus": 4}
+    api.post("/v1/pods", json=pod | {"name": "cheap", "max_duration": 300,
+                                     "priority_class": "spot"})
+    schedule()
+    _agent_step(api, *blocked)
+    assert _node_of(api, "cheap") == _node_of(api, "short-b")
+    # a batch pod without a max duration outranks cheap but not big: no preemption there
+    api.post("/v1/pods", json=pod | {"name": "later"})
+    schedule()
+    assert api.get("/v1/pods/later").json()["reason"] == "Unschedulable"
+    assert api.get("/v1/pods/cheap").json()["desired_state"] == "running"
+    # an on-demand pod outranks both
+    api.post("/v1/pods", json=pod | {"name": "urgent", "priority_class": "on-demand"})
+    schedule()
+    assert api.get("/v1/pods/cheap").json()["desired_state"] == "stopped"
+    assert api.get("/v1/pods/urgent").json()["reason"] == "Preempting"
+
+
 def test_a_job_past_its_max_duration_is_stopped_whole(
     api: TestClient, register_node: Register, jobs_tick: Tick, deadlines: Tick,
     clock: ManualClock

@@ -45,9 +45,14 @@ class GangReservation:
     job_id: str
     job_name: str
     reservation: Reservation
+    priority: int
 
-    def closes(self, max_duration: float | None, now: datetime) -> bool:
-        """Whether the reserved nodes are closed to work declaring ``max_duration``."""
+    def closes(self, priority: int, max_duration: float | None, now: datetime) -> bool:
+        """Whether the reserved nodes are closed to work of ``priority`` declaring
+        ``max_duration``. Work of higher priority than the gang is not held back by it
+        (a priority queue places it first anyway), nor is work that ends in time."""
+        if priority > self.priority:
+            return False
         work = Work("", 0, max_duration=max_duration)
         return not ends_in_time(work, now.timestamp(), self.reservation)
 
@@ -85,7 +90,8 @@ def head_reservation(ctx: ServiceContext, nodes: Sequence[NodeState]) -> GangRes
     need = GangNeed(head.num_nodes, head.gpus_per_node)
     domains = _domains(nodes, head.gpu_type, Topology(head.topology))
     planned = _earliest(now.timestamp(), domains, running, need)
-    return None if planned is None else GangReservation(head.id, head.name, planned)
+    return None if planned is None else GangReservation(head.id, head.name, planned,
+                                                           head.priority)
 
 
 def _earliest(now: float, domains: list[dict[str, int]], running: list[Holding],

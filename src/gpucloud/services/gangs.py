@@ -193,10 +193,10 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 32) -> JobP
 def _place(ctx: ServiceContext, scheduler: Scheduler, nodes: list[NodeState], job: LeasedJob,
            held: backfill.GangReservation | None) -> GangDecision:
     """Place the gang; while another blocked gang holds a backfill reservation, off its
-    nodes unless this job ends in time (declared max duration)."""
+    nodes unless this job ends in time (declared max duration) or outranks that gang."""
     requests = member_requests(job)
-    if held is None or held.job_id == job.id or not held.closes(job.max_duration,
-                                                                ctx.clock.now()):
+    if held is None or held.job_id == job.id or not held.closes(
+            job.priority, job.max_duration, ctx.clock.now()):
         return place_gang(scheduler, nodes, requests, job.topology)
     decision = place_gang(scheduler, backfill.restricted(nodes, held), requests, job.topology)
     closed = backfill.closed_count(nodes, held)

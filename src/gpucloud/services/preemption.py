@@ -37,7 +37,7 @@ from gpucloud.scheduler.preemption import (
     without_victims,
 )
 from gpucloud.scheduler.quota import Ledger, gpu_capacity
-from gpucloud.services import gangs, quotas, scheduling
+from gpucloud.services import backfill, gangs, quotas, scheduling
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import record_event
 from gpucloud.services.pods import bump_assignments
@@ -187,6 +187,17 @@ class _Cluster:
     work: RunningWork
     ledger: Ledger
     ids: dict[str, str]  # node name -> id
+    held: backfill.GangReservation | None
+
+    def nodes_for(self, key: str, priority: int, max_duration: float | None,
+                  now: datetime) -> list[NodeState]:
+        """What the preemptor ``key`` may plan on: the blocked head gang's reserved nodes
+        are closed to work the gang is not outranked by, unless it ends in time — as in
+        the scheduling passes, so preemption never takes a backfill reservation either."""
+        held = self.held
+        if held is None or held.job_id == key or not held.closes(priority, max_duration, now):
+            return self.nodes
+        return backfill.restricted(self.nodes, held)
 
     def applied(self, plan: PreemptionPlan, requests: Sequence[PodRequest],
                 project: str) -> None:
@@ -213,7 +224,8 @@ def _cluster(ctx: ServiceContext) -> _Cluster:
     with ctx.db.transaction() as session:
         ledger = quotas.load_ledger(session, ctx.clock.now())
     return _Cluster(snap, snap.nodes, running_work(ctx, names), ledger,
-                    {name: node.id for name, node in snap.by_name.items()})
+                    {name: node.id for name, node in snap.by_name.items()},
+                    backfill.head_reservation(ctx, snap.nodes))
 
 
 @dataclass(frozen=True)
@@ -256,8 +268,10 @@ def preempt_for_pods(ctx: ServiceContext, scheduler: Scheduler,
         standing = _standing(cluster, pod.project_id, pod.gpu_type, round(pod.gpus * 1000))
         preemptor = Preemptor(pod.id, pod.priority, pod.project_id, (request,),
                               borrowing=standing.borrowing, reclaiming=standing.reclaiming)
-        plan = plan_preemption(scheduler, cluster.nodes, cluster.work.units, preemptor,
-                               cluster.ledger, ctx.clock.now().timestamp())
+        now = ctx.clock.now()
+        nodes = cluster.nodes_for(pod.id, pod.priority, pod.max_duration_seconds, now)
+        plan = plan_preemption(scheduler, nodes, cluster.work.units, preemptor,
+                               cluster.ledger, now.timestamp())
         if plan is not None and _apply_for_pod(ctx, pod, plan, cluster):
             cluster.applied(plan, [request], pod.project_id)
             done.append(pod.id)
@@ -320,8 +334,10 @@ def preempt_for_jobs(ctx: ServiceContext, scheduler: Scheduler,
         standing = _standing(cluster, job.project_id, job.gpu_type, milli)
         preemptor = Preemptor(job.id, job.priority, job.project_id, tuple(requests),
                               Topology(job.topology), standing.borrowing, standing.reclaiming)
-        plan = plan_preemption(scheduler, cluster.nodes, cluster.work.units, preemptor,
-                               cluster.ledger, ctx.clock.now().timestamp())
+        now = ctx.clock.now()
+        nodes = cluster.nodes_for(job.id, job.priority, job.max_duration_seconds, now)
+        plan = plan_preemption(scheduler, nodes, cluster.work.units, preemptor,
+                               cluster.ledger, now.timestamp())
         if plan is not None and _apply_for_job(ctx, leased, job, plan, cluster):
             cluster.applied(plan, requests, job.project_id)
             done.append(job.id)

@@ -235,23 +235,41 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 256) -> Pas
 def _schedule(scheduler: Scheduler, nodes: list[NodeState], pods: list[LeasedPod],
               held: backfill.GangReservation | None, now: datetime) -> list[Decision]:
     """Decisions for ``pods`` (in their order). While a blocked gang holds a backfill
-    reservation, pods that could delay it are placed first on the other nodes; then the
-    pods that end in time on what is left, reserved nodes included."""
+    reservation: pods that outrank the gang are placed first, anywhere; then the pods that
+    could delay it, off its nodes; then the pods that end in time on what is left,
+    reserved nodes included."""
     if held is None:
         return scheduler.schedule(nodes, [pod_request(p) for p in pods])
-    kept = [p for p in pods if held.closes(p.max_duration_seconds, now)]
-    free = [p for p in pods if not held.closes(p.max_duration_seconds, now)]
-    first = scheduler.schedule(backfill.restricted(nodes, held), [pod_request(p) for p in kept])
-    placed = [(pod_request(p), d.placement) for p, d in zip(kept, first, strict=True)
-              if d.placement is not None]
-    after = with_placements(nodes, [r for r, _ in placed], [pl for _, pl in placed])
-    second = scheduler.schedule(after, [pod_request(p) for p in free])
+    ahead = [p for p in pods if p.priority > held.priority]
+    kept = [p for p in pods if p.priority <= held.priority
+            and held.closes(p.priority, p.max_duration_seconds, now)]
+    free = [p for p in pods if p.priority <= held.priority
+            and not held.closes(p.priority, p.max_duration_seconds, now)]
+    first, nodes = _placed(scheduler, nodes, ahead)
+    kept_decisions = scheduler.schedule(backfill.restricted(nodes, held),
+                                        [pod_request(p) for p in kept])
+    nodes = _with_decisions(nodes, kept, kept_decisions)
+    last, _ = _placed(scheduler, nodes, free)
     closed = backfill.closed_count(nodes, held)
-    by_key = {d.pod_key: d for d in second} | {
+    by_key = {d.pod_key: d for d in [*first, *last]} | {
         d.pod_key: Decision(d.pod_key, d.placement,
                             backfill.explain(d.explanation, closed, held), d.status)
-        for d in first}
+        for d in kept_decisions}
     return [by_key[p.id] for p in pods]
+
+
+def _placed(scheduler: Scheduler, nodes: list[NodeState],
+            pods: list[LeasedPod]) -> tuple[list[Decision], list[NodeState]]:
+    """Decisions for ``pods`` and the nodes with their placements taken."""
+    decisions = scheduler.schedule(nodes, [pod_request(p) for p in pods]) if pods else []
+    return decisions, _with_decisions(nodes, pods, decisions)
+
+
+def _with_decisions(nodes: list[NodeState], pods: list[LeasedPod],
+                    decisions: list[Decision]) -> list[NodeState]:
+    placed = [(pod_request(p), d.placement) for p, d in zip(pods, decisions, strict=True)
+              if d.placement is not None]
+    return with_placements(nodes, [r for r, _ in placed], [pl for _, pl in placed])
 
 
 def _bind_reserved(ctx: ServiceContext, pod: LeasedPod, token: str, snap: Snapshot,
