@@ -278,3 +278,19 @@ def test_a_borrower_never_preempts_work_within_a_quota(
     schedule()
     assert api.get("/v1/pods/cheap0", headers=owner).json()["reason"] == "Preempted"
 
+
+def test_drf_orders_equal_priority_work_by_dominant_share_cpu_included(
+    api: TestClient, register_node: Register, schedule: Tick
+) -> None:
+    node = register_node("a", cpu=64)
+    heavy, light = _project(api, "heavy"), _project(api, "light")
+    cpu_only = {"name": "crunch", "image": "busybox", "gpus": 0, "cpu": 32}
+    assert api.post("/v1/pods", json=cpu_only, headers=heavy).status_code == 201
+    schedule()
+    _agent_step(api, node)
+    # heavy holds no GPU but half the CPU: its older GPU pod waits behind light's
+    api.post("/v1/pods", json=_pod("first", 8), headers=heavy)
+    api.post("/v1/pods", json=_pod("second", 8), headers=light)
+    schedule()
+    assert _phases(api, light) == {"second": "Scheduled"}
+    assert _phases(api, heavy) == {"crunch": "Running", "first": "Pending"}

@@ -8,6 +8,10 @@ owner of a quota may always reclaim them (``Ledger.protected`` says what may not
 GPUs are counted in milli-GPUs (a whole GPU is 1000) so that shared GPUs count for their
 share. ``Ledger`` is a mutable accumulator that a scheduling pass fills with the running
 work, then updates as it admits more.
+
+Quotas are GPUs only; fairness is not. The dominant share (DRF) is taken over every
+resource a project holds — each GPU model, CPU and memory — so a project that runs
+CPU- or memory-heavy work does not look idle to the fair ordering.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ class Quota:
 #: What a project without a quota gets: no guarantee, no limit.
 UNLIMITED = Quota({}, None)
 
+#: The non-GPU resources DRF counts (in ``Ledger.held`` and ``drf_capacity``): CPU in
+#: millicores, memory in bytes. Not GPU model names, which are canonical (``H100-80GB``).
+CPU, MEMORY = "cpu", "memory"
+
 
 def _gpus(milli: int) -> str:
     value = milli / FULL_GPU_MILLI
@@ -46,6 +54,8 @@ class Ledger:
 
     quotas: Mapping[str, Quota]
     used: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    #: CPU and memory per project (``CPU``, ``MEMORY``): for DRF only, no quota applies.
+    held: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
 
     def quota(self, project: str) -> Quota:
         return self.quotas.get(project, UNLIMITED)
@@ -55,6 +65,11 @@ class Ledger:
 
     def remove(self, project: str, model: str, milli: int) -> None:
         self.used[project][canonical_name(model)] -= milli
+
+    def hold(self, project: str, cpu_milli: int, memory_bytes: int) -> None:
+        """Count CPU and memory the project holds (negative amounts release them)."""
+        self.held[project][CPU] += cpu_milli
+        self.held[project][MEMORY] += memory_bytes
 
     def borrowed(self, project: str, extra: tuple[str, int] | None = None) -> int:
         """Milli-GPUs the project uses beyond its quota (with ``extra`` (model, milli))."""
@@ -95,13 +110,14 @@ class Ledger:
                 f"{quota.borrow_limit}; it asks for {_gpus(milli)} more")
 
     def dominant_share(self, project: str, capacity: Mapping[str, int]) -> float:
-        """DRF: the largest share of any GPU model's capacity the project holds."""
-        used = self.used.get(project, Counter())
+        """DRF: the largest share of any resource's capacity the project holds — a GPU
+        model, or ``CPU`` and ``MEMORY`` when ``capacity`` has them (``drf_capacity``)."""
+        used = self.used.get(project, Counter()) + self.held.get(project, Counter())
         return max((n / capacity[m] for m, n in used.items() if capacity.get(m)), default=0.0)
 
 
 def gpu_capacity(nodes: Iterable[NodeState]) -> dict[str, int]:
-    """Milli-GPUs per canonical model over the ready nodes: the DRF denominators."""
+    """Milli-GPUs per canonical model over the ready nodes."""
     capacity: Counter[str] = Counter()
     for node in nodes:
         if node.ready:
@@ -109,3 +125,10 @@ def gpu_capacity(nodes: Iterable[NodeState]) -> dict[str, int]:
                 capacity[canonical_name(gpu.model)] += FULL_GPU_MILLI
     return dict(capacity)
 
+
+def drf_capacity(nodes: Iterable[NodeState]) -> dict[str, int]:
+    """The DRF denominators over the ready nodes: milli-GPUs per canonical model, and the
+    ``CPU`` millicores and ``MEMORY`` bytes."""
+    ready = [node for node in nodes if node.ready]
+    return gpu_capacity(ready) | {CPU: sum(n.cpu_milli for n in ready),
+                                  MEMORY: sum(n.memory_bytes for n in ready)}

@@ -38,7 +38,7 @@ from gpucloud.db.session import rows_changed
 from gpucloud.scheduler import NodeState, Placement, PodRequest, Scheduler
 from gpucloud.scheduler.gang import GangDecision, place_gang
 from gpucloud.scheduler.preemption import with_placements
-from gpucloud.scheduler.quota import Ledger, gpu_capacity
+from gpucloud.scheduler.quota import Ledger, drf_capacity, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI
 from gpucloud.services import backfill, quotas
 from gpucloud.services.context import ServiceContext, new_id
@@ -160,7 +160,7 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 32) -> JobP
         names = quotas.project_names(session)
     capacity = gpu_capacity(nodes)
     held = backfill.head_reservation(ctx, nodes)
-    for job in _fair_order(jobs, ledger, capacity):
+    for job in _fair_order(jobs, ledger, drf_capacity(nodes)):
         if job.reservations is not None:
             _bind_reserved(ctx, job, token, snap, versions, result)
             continue
@@ -209,6 +209,7 @@ def _place(ctx: ServiceContext, scheduler: Scheduler, nodes: list[NodeState], jo
 
 def _fair_order(jobs: list[LeasedJob], ledger: Ledger,
                 capacity: dict[str, int]) -> list[LeasedJob]:
+    """Priority first; among equals, the smallest dominant share (DRF), then lease order."""
     shares = {j.project_id: ledger.dominant_share(j.project_id, capacity) for j in jobs}
     order = {j.id: i for i, j in enumerate(jobs)}
     return sorted(jobs, key=lambda j: (-j.priority, shares[j.project_id], order[j.id]))

@@ -64,23 +64,26 @@ def project_names(session: Session) -> dict[str, str]:
 
 
 def load_ledger(session: Session, now: datetime) -> Ledger:
-    """The quotas, and the GPUs held by active pods and by live reservations, per project
-    and model."""
+    """The quotas, and what active pods and live reservations hold per project: GPUs per
+    model (for quotas and DRF), CPU and memory (for DRF)."""
     quotas = {q.project_id: Quota(dict(q.gpus), q.borrow_limit)
               for q in session.scalars(select(QuotaModel))}
     ledger = Ledger(quotas)
     models = _gpu_models(session.execute(select(NodeModel.id, NodeModel.gpus)))
     held = session.execute(
-        select(PodModel.project_id, PodModel.node_id, PodModel.gpu_milli)
+        select(PodModel.project_id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,
+               PodModel.memory_bytes)
         .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None))).all()
     reserved = session.execute(
-        select(PodModel.project_id, PodModel.nominated_node_id, PodModel.nominated_gpu_milli)
+        select(PodModel.project_id, PodModel.nominated_node_id, PodModel.nominated_gpu_milli,
+               PodModel.cpu_milli, PodModel.memory_bytes)
         .where(PodModel.phase == PodPhase.PENDING.value,
                PodModel.nominated_node_id.is_not(None),
                PodModel.nominated_until > now)).all()
-    for project, node_id, gpu_milli in [*held, *reserved]:
+    for project, node_id, gpu_milli, cpu_milli, memory_bytes in [*held, *reserved]:
         for index, milli in (gpu_milli or {}).items():
             ledger.add(project, models.get((node_id or "", int(index)), "unknown"), milli)
+        ledger.hold(project, cpu_milli, memory_bytes)
     return ledger
 
 

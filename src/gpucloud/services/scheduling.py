@@ -29,7 +29,7 @@ from gpucloud.scheduler import (
     Scheduler,
 )
 from gpucloud.scheduler.preemption import with_placements
-from gpucloud.scheduler.quota import Ledger, gpu_capacity
+from gpucloud.scheduler.quota import Ledger, drf_capacity, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI
 from gpucloud.services import backfill, quotas
 from gpucloud.services.context import ServiceContext, new_id
@@ -303,7 +303,7 @@ def _fair_order(pods: list[LeasedPod], ledger: Ledger,
                 nodes: list[NodeState]) -> list[LeasedPod]:
     """Priority first; among equals, the project with the smallest dominant share (DRF),
     then the lease order (oldest first)."""
-    capacity = gpu_capacity(nodes)
+    capacity = drf_capacity(nodes)
     shares = {p.project_id: ledger.dominant_share(p.project_id, capacity) for p in pods}
     order = {p.id: i for i, p in enumerate(pods)}
     return sorted(pods, key=lambda p: (-p.priority, shares[p.project_id], order[p.id]))

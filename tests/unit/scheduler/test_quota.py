@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from gpucloud.scheduler.quota import Ledger, Quota, gpu_capacity
-from tests.unit.scheduler.builders import node
+from gpucloud.scheduler.quota import CPU, MEMORY, Ledger, Quota, drf_capacity, gpu_capacity
+from tests.unit.scheduler.builders import GIB, node
 
 H100 = "H100-80GB"
 
@@ -64,3 +66,20 @@ def test_dominant_share_is_the_largest_share_of_any_model() -> None:
     assert ledger.dominant_share("x", capacity) == 0.5
     assert ledger.dominant_share("y", capacity) == 0.75
     assert ledger.dominant_share("nobody", capacity) == 0.0
+
+
+def test_dominant_share_counts_cpu_and_memory_over_ready_nodes() -> None:
+    ready = node("a").gpus(8).cpu(64_000).memory(512).build()
+    down = node("b").gpus(8).cpu(64_000).build()
+    capacity = drf_capacity([ready, replace(down, ready=False)])
+    assert capacity == {H100: 8000, CPU: 64_000, MEMORY: 512 * GIB}
+    ledger = Ledger({})
+    ledger.add("gpus", H100, 2000)                  # 1/4 of the GPUs
+    ledger.hold("gpus", 1000, GIB)
+    ledger.hold("cpu-heavy", 48_000, 64 * GIB)      # no GPU, 3/4 of the CPU
+    assert ledger.dominant_share("gpus", capacity) == 0.25
+    assert ledger.dominant_share("cpu-heavy", capacity) == 0.75
+    # GPU-only capacity keeps the GPU-only view
+    assert ledger.dominant_share("cpu-heavy", gpu_capacity([ready])) == 0.0
+    ledger.hold("cpu-heavy", -48_000, -64 * GIB)
+    assert ledger.dominant_share("cpu-heavy", capacity) == 0.0
