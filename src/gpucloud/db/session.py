@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,26 @@ def rows_changed(session: Session, statement: Executable) -> int:
     result = session.execute(statement)
     assert isinstance(result, CursorResult)
     return int(result.rowcount)
+
+
+_ON_COMMIT = "gpucloud.on_commit"
+
+
+def on_commit(session: Session, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the session's transaction has committed — never when it rolls
+    back — so that what it announces (a wake-up) is already visible to readers."""
+    session.info.setdefault(_ON_COMMIT, []).append(callback)
+
+
+@event.listens_for(Session, "after_commit")
+def _run_on_commit(session: Session) -> None:
+    for callback in session.info.pop(_ON_COMMIT, []):
+        callback()
+
+
+@event.listens_for(Session, "after_rollback")
+def _drop_on_commit(session: Session) -> None:
+    session.info.pop(_ON_COMMIT, None)
 
 
 class Database:

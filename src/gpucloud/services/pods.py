@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from functools import partial
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -20,8 +21,9 @@ from gpucloud.core.models import (
 from gpucloud.core.phases import ACTIVE_PHASES, TERMINAL_PHASES, PodPhase, RestartPolicy
 from gpucloud.core.quantities import format_memory
 from gpucloud.db.models import Base, NodeModel, PodEventModel, PodLogChunkModel, PodModel
+from gpucloud.db.session import on_commit
 from gpucloud.scheduler import Explanation
-from gpucloud.services import priorities
+from gpucloud.services import priorities, wakeups
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.projects import Principal
@@ -163,13 +165,15 @@ def list_events(ctx: ServiceContext, caller: Principal, ref: str) -> list[PodEve
 
 
 def bump_assignments(session: Session, node_id: str | None) -> None:
-    """Wake the node's agent: its list of assigned pods changed."""
+    """Wake the node's agent: its list of assigned pods changed (the revision for every
+    replica, and at once, on commit, for a long poll in this process)."""
     if node_id:
         session.execute(
             update(NodeModel)
             .where(NodeModel.id == node_id)
             .values(assignments_revision=NodeModel.assignments_revision + 1)
         )
+        on_commit(session, partial(wakeups.ASSIGNMENTS.notify, node_id))
 
 
 def stop_pod(ctx: ServiceContext, caller: Principal, ref: str,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session
 from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.phases import ACTIVE_PHASE_VALUES, NodeStatus, PodPhase
 from gpucloud.db.models import Base, JobModel, NodeModel, PodModel
-from gpucloud.db.session import rows_changed
+from gpucloud.db.session import on_commit, rows_changed
 from gpucloud.scheduler import (
     Decision,
     GpuState,
@@ -31,7 +32,7 @@ from gpucloud.scheduler import (
 from gpucloud.scheduler.preemption import with_placements
 from gpucloud.scheduler.quota import Ledger, drf_capacity, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI
-from gpucloud.services import backfill, quotas
+from gpucloud.services import backfill, quotas, wakeups
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, record_events
 
@@ -373,8 +374,9 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
 
 
 def claim_node(session: Session, node_id: str, version: int) -> bool:
-    """Guarded bump of the node: fails if it changed (cordoned, lost, re-registered)."""
-    return bool(rows_changed(
+    """Guarded bump of the node: fails if it changed (cordoned, lost, re-registered).
+    Its agent's long poll wakes once the binding commits."""
+    claimed = bool(rows_changed(
         session,
         update(NodeModel)
         .where(NodeModel.id == node_id, NodeModel.version == version,
@@ -382,6 +384,9 @@ def claim_node(session: Session, node_id: str, version: int) -> bool:
         .values(version=NodeModel.version + 1,
                 assignments_revision=NodeModel.assignments_revision + 1),
     ))
+    if claimed:
+        on_commit(session, partial(wakeups.ASSIGNMENTS.notify, node_id))
+    return claimed
 
 
 def retry_unschedulable(session: Session) -> None:

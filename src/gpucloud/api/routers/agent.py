@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import APIRouter, Query, Request
@@ -20,7 +19,7 @@ from gpucloud.core.models import (
     NodeRegisterResponse,
 )
 from gpucloud.core.phases import PodPhase
-from gpucloud.services import agent, gangs, nodes
+from gpucloud.services import agent, gangs, nodes, wakeups
 
 router = APIRouter(prefix="/v1/agent", tags=["agent"])
 POLL_SECONDS = 0.25
@@ -50,15 +49,17 @@ async def assignments(ctx: Ctx, node_id: NodeId,
                       revision: int | None = Query(default=None)) -> AssignmentsOut:
     """Long poll: returns once the node's revision differs from ``revision``, or at ``wait``.
 
-    The revision is a single integer column, so each check is one cheap query; it works
-    the same across several server replicas.
+    A change committed in this process wakes the poll at once (``wakeups``); the revision,
+    a single integer column re-read every ``POLL_SECONDS`` (one cheap query), carries
+    changes made by other server replicas.
     """
     deadline = time.monotonic() + wait
     while revision is not None and time.monotonic() < deadline:
-        current = await run_in_threadpool(agent.assignments_revision, ctx, node_id)
-        if current != revision:
-            break
-        await asyncio.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        with wakeups.ASSIGNMENTS.listen(node_id) as woken:
+            current = await run_in_threadpool(agent.assignments_revision, ctx, node_id)
+            if current != revision:
+                break
+            await wakeups.wait(woken, min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
     return await run_in_threadpool(agent.assignments, ctx, node_id)
 
 

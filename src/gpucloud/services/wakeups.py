@@ -1,0 +1,66 @@
+"""In-process wake-ups for long polls: an agent's assignment poll returns as soon as a
+transaction in this process that changed its node's assignments commits.
+
+The durable signal stays the node's ``assignments_revision`` column, which the long poll
+still re-reads on a short period; that is what reaches an agent polling another server
+replica. The wake-up only removes the polling delay when the change and the poll meet in
+one process (a single server, or the leader's own agents). Keys are node ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+
+class Wakeups:
+    """Waiters per key, each an ``asyncio.Event`` set (thread-safely) by ``notify``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = (
+            defaultdict(set))
+
+    @contextmanager
+    def listen(self, key: str) -> Iterator[asyncio.Event]:
+        """An event set by the next ``notify(key)``. Listen *before* reading the state it
+        announces, so that a change between the read and the wait is not missed."""
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._waiters[key].add(waiter)
+        try:
+            yield waiter[1]
+        finally:
+            with self._lock:
+                waiters = self._waiters.get(key)
+                if waiters is not None:
+                    waiters.discard(waiter)
+                    if not waiters:
+                        del self._waiters[key]
+
+    def notify(self, key: str) -> None:
+        """Wake every current listener of ``key``; callable from any thread."""
+        with self._lock:
+            waiters = list(self._waiters.get(key, ()))
+        for loop, woken in waiters:
+            with suppress(RuntimeError):  # the listener's loop has closed: nothing to wake
+                loop.call_soon_threadsafe(woken.set)
+
+    def listeners(self, key: str) -> int:
+        with self._lock:
+            return len(self._waiters.get(key, ()))
+
+
+async def wait(woken: asyncio.Event, timeout: float) -> bool:
+    """Whether ``woken`` was set within ``timeout`` seconds."""
+    with suppress(TimeoutError):
+        await asyncio.wait_for(woken.wait(), timeout)
+        return True
+    return False
+
+
+#: Node id -> the agent's assignment long polls in this process.
+ASSIGNMENTS = Wakeups()
