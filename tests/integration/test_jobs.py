@@ -315,6 +315,143 @@ def test_logs_are_prefixed_by_rank(
     assert text == "[0] hello from 0\n[0] bye\n[1] hello from 1\n[1] bye\n"
 
 
+def _ship(api: TestClient, reg: dict[str, Any], pod: dict[str, Any], offset: int,
+          data: str) -> int:
+    """An agent's log chunk of the member's attempt; returns the next offset."""
+    response = api.post(f"/v1/agent/pods/{pod['pod_id']}/logs", headers=agent_headers(reg),
+                        json={"fencing_token": reg["fencing_token"], "attempt": pod["attempt"],
+                              "offset": offset, "data": data})
+    assert response.status_code == 200, response.text
+    return int(response.json()["next_offset"])
+
+
+def _logs(api: TestClient, job: str, **params: Any) -> dict[str, Any]:
+    response = api.get(f"/v1/jobs/{job}/logs", params=params)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def test_following_logs_hands_out_new_whole_lines_until_the_job_ends(
+    api: TestClient, register_node: Register, jobs_tick: Callable[[], Any]
+) -> None:
+    nodes = _cluster(register_node)
+    api.post("/v1/jobs", json=_job("train"))
+    placed = _start(api, nodes, "train", jobs_tick)
+    (reg0, pod0), (reg1, pod1) = placed
+    first = _logs(api, "train", offsets="")
+    assert (first["text"], first["offsets"], first["finished"]) == ("", "0:1:0,1:1:0", False)
+    end0 = _ship(api, reg0, pod0, 0, "héllo\nstep 1")
+    _ship(api, reg1, pod1, 0, "ready\n")
+    assert _logs(api, "train")["text"] == "[0] héllo\n[0] step 1\n[1] ready\n"  # one-shot
+    page = _logs(api, "train", offsets=first["offsets"])
+    assert page["text"] == "[0] héllo\n[1] ready\n"  # "step 1" is not a whole line yet
+    assert page["offsets"] == "0:1:7,1:1:6"  # bytes: é is two
+    assert page["members"] == [
+        {"rank": 0, "attempt": 1, "next_offset": 7, "finished": False},
+        {"rank": 1, "attempt": 1, "next_offset": 6, "finished": False}]
+    assert _logs(api, "train", offsets=first["offsets"]) == page  # the cursor is the state
+    _ship(api, reg0, pod0, end0, " done\nstep 2")
+    page = _logs(api, "train", offsets=page["offsets"])
+    assert (page["text"], page["finished"]) == ("[0] step 1 done\n", False)
+    for reg, pod in placed:
+        _report(api, reg, pod, "Running")
+        _report(api, reg, pod, "Succeeded", exit_code=0)
+    page = _logs(api, "train", offsets=page["offsets"])
+    assert (page["text"], page["finished"]) == ("[0] step 2\n", False)  # rank 0 ended
+    assert [m["finished"] for m in page["members"]] == [True, True]
+    jobs_tick()
+    page = _logs(api, "train", offsets=page["offsets"])
+    assert (page["text"], page["finished"]) == ("", True)
+
+
+def test_following_logs_goes_on_with_the_next_attempt_after_a_gang_restart(
+    api: TestClient, register_node: Register, jobs_tick: Callable[[], Any],
+    clock: ManualClock
+) -> None:
+    nodes = _cluster(register_node)
+    api.post("/v1/jobs", json=_job("flaky", max_restarts=1))
+    placed = _start(api, nodes, "flaky", jobs_tick)
+    for reg, pod in placed:
+        _report(api, reg, pod, "Running")
+    (reg0, pod0), (reg1, pod1) = placed
+    end = _ship(api, reg0, pod0, 0, "epoch 1\nsaving")
+    page = _logs(api, "flaky", offsets="")
+    assert page["text"] == "[0] epoch 1\n"
+    _ship(api, reg0, pod0, end, " checkpoint")  # attempt 1 ends without a newline
+    _report(api, reg1, pod1, "Failed", exit_code=3)
+    jobs_tick()
+    _report(api, reg0, pod0, "Stopped")
+    jobs_tick()
+    assert api.get("/v1/jobs/flaky").json()["restarts"] == 1
+    clock.advance(5)
+    (reg0, pod0), _ = _start(api, nodes, "flaky", jobs_tick)
+    assert pod0["attempt"] == 2
+    _ship(api, reg0, pod0, 0, "epoch 1 again\n")
+    page = _logs(api, "flaky", offsets=page["offsets"])
+    assert page["text"] == "[0] saving checkpoint\n[0] epoch 1 again\n"
+    assert page["offsets"] == "0:2:14,1:2:0"
+    assert _logs(api, "flaky")["text"] == "[0] epoch 1 again\n"  # one-shot: current attempt
+
+
+def test_logs_tail_and_bad_offsets(
+    api: TestClient, register_node: Register, jobs_tick: Callable[[], Any]
+) -> None:
+    nodes = _cluster(register_node)
+    api.post("/v1/jobs", json=_job("train"))
+    for rank, (reg, pod) in enumerate(_start(api, nodes, "train", jobs_tick)):
+        _ship(api, reg, pod, 0, f"a{rank}\nb{rank}\nc{rank}")
+    assert _logs(api, "train", tail=2)["text"] == "[0] b0\n[0] c0\n[1] b1\n[1] c1\n"
+    page = _logs(api, "train", offsets="", tail=1)
+    assert (page["text"], page["offsets"]) == ("[0] b0\n[1] b1\n", "0:1:6,1:1:6")
+    # a member with a position continues from it; one left out starts afresh, with tail
+    assert _logs(api, "train", offsets="0:1:0", tail=1)["text"] == "[0] a0\n[0] b0\n[1] b1\n"
+    for value, says in [("x", "offsets: 'x' is not RANK:ATTEMPT:OFFSET"),
+                        ("0:1:0,0:1:3", "rank 0 is given twice"),
+                        ("2:1:0", "job 'train' has no rank 2"),
+                        ("0:2:0", "rank 0 is on attempt 1; it has had no attempt 2")]:
+        response = api.get("/v1/jobs/train/logs", params={"offsets": value})
+        assert response.status_code == 422, value
+        assert response.json()["field"] == "offsets" and says in response.json()["detail"]
+    response = api.get("/v1/jobs/train/logs", params={"tail": -1})
+    assert response.status_code == 422 and response.json()["field"] == "tail"
+
+
+def test_job_events_merge_the_members_events_in_time_order(
+    api: TestClient, app_client: TestClient, register_node: Register,
+    jobs_tick: Callable[[], Any], clock: ManualClock
+) -> None:
+    nodes = _cluster(register_node)
+    api.post("/v1/jobs", json=_job("train"))
+    assert api.get("/v1/jobs/train/events").json() == []  # nothing has happened yet
+    jobs_tick()
+    placed = _placed(api, nodes, "train")
+    for reg, pod in reversed(placed):  # rank 1 is ready first
+        clock.advance(1)
+        assert _ready(api, reg, pod) == 200
+    jobs_tick()
+    for reg, pod in placed:
+        _report(api, reg, pod, "Running")
+    clock.advance(1)
+    _report(api, *placed[1], "Failed", exit_code=3)
+    jobs_tick()  # the gang stops its other member
+    events = api.get("/v1/jobs/train/events").json()
+    assert [(e["rank"], e["pod"], e["reason"], e["to_phase"]) for e in events] == [
+        (0, "train-0", "Scheduled", "Scheduled"), (1, "train-1", "Scheduled", "Scheduled"),
+        (1, "train-1", "Ready", None), (0, "train-0", "Ready", None),
+        (0, "train-0", "Started", "Running"), (1, "train-1", "Started", "Running"),
+        (1, "train-1", "Error (exit code 3)", "Failed"), (0, "train-0", "StopRequested", None)]
+    assert [e["time"] for e in events] == sorted(e["time"] for e in events)
+    assert events[0]["from_phase"] == "Pending" and "bound to" in events[0]["message"]
+    team = api.post("/v1/projects", json={"name": "team-b"}).json()["key"]["key"]
+    other = {"Authorization": f"Bearer {team}"}
+    for path in ("/v1/jobs/train/events", "/v1/jobs/train/logs"):
+        response = app_client.get(path, headers=other)
+        assert response.status_code == 404 and response.json()["detail"] == (
+            "job 'train' not found")
+    assert api.get("/v1/jobs/nope/events").status_code == 404
+
+
 @pytest.mark.parametrize(("fields", "field"), [
     ({"nodes": 0}, "nodes"),
     ({"gpus_per_node": -1}, "gpus_per_node"),

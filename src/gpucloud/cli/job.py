@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -19,10 +21,14 @@ from gpucloud.cli.common import (
     table,
     validation_message,
 )
+from gpucloud.client import GpucloudClient
 from gpucloud.core.jobs import DEFAULT_READY_TIMEOUT_SECONDS, JobCreateRequest, JobOut
 
 app = typer.Typer(help="Multi-node jobs: N pods with G GPUs each, started together.",
                   no_args_is_help=True)
+FOLLOW_POLL_SECONDS = 1.0
+#: How ``logs --follow`` waits between polls; tests replace it to drive the job instead.
+pause: Callable[[float], None] = time.sleep
 
 
 def _show_job(job: JobOut) -> None:
@@ -113,11 +119,50 @@ def why(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
 
 
 @app.command()
-def logs(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
-    """Every member's output, each line prefixed by its rank."""
+def logs(
+    job: str,
+    follow: Annotated[bool, typer.Option(
+        "--follow", "-f", help="Keep printing new lines until the job has ended")] = False,
+    tail: Annotated[int | None, typer.Option(
+        min=0, help="Only the last N lines of each member")] = None,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Every member's output (its current attempt), each line prefixed by its rank."""
     with cli_errors():
-        chunk = client().job_logs(job)
+        if follow and output is OutputFormat.JSON:
+            raise CliError("--follow prints lines as they come; use --output json without it")
+        api = client()
+        if follow:
+            _follow(api, job, tail)
+            return
+        chunk = api.job_logs(job, tail=tail)
         emit(chunk, output, lambda: typer.echo(chunk.text, nl=False))
+
+
+def _follow(api: GpucloudClient, job: str, tail: int | None) -> None:
+    """Print whole new lines until the job has ended and all its output is printed, across
+    gang restarts; Ctrl-C stops quietly with exit status 130."""
+    try:
+        chunk = api.job_logs(job, offsets="", tail=tail)
+        typer.echo(chunk.text, nl=False)
+        while not chunk.finished:
+            pause(FOLLOW_POLL_SECONDS)
+            chunk = api.job_logs(job, offsets=chunk.offsets)
+            typer.echo(chunk.text, nl=False)
+    except KeyboardInterrupt:  # not left to Typer/Click: Click's own handling says "aborted"
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def events(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
+    """What happened to the job's members, oldest first, each with its rank."""
+    with cli_errors():
+        items = client().job_events(job)
+        emit(items, output, lambda: table(
+            ["TIME", "RANK", "FROM", "TO", "REASON", "MESSAGE"],
+            [[e.time.strftime("%Y-%m-%d %H:%M:%S"), e.rank, e.from_phase, e.to_phase,
+              e.reason, e.message] for e in items],
+        ))
 
 
 @app.command()

@@ -24,6 +24,7 @@ from gpucloud.core.errors import (
 from gpucloud.core.jobs import (
     AgentPodReadyRequest,
     JobCreateRequest,
+    JobEventOut,
     JobLogsOut,
     JobOut,
     JobWhyOut,
@@ -205,8 +206,19 @@ class GpucloudClient(_Base):
     def job_why(self, ref: str) -> JobWhyOut:
         return self._typed(JobWhyOut, "GET", f"/v1/jobs/{ref}/why")
 
-    def job_logs(self, ref: str) -> JobLogsOut:
-        return self._typed(JobLogsOut, "GET", f"/v1/jobs/{ref}/logs")
+    def job_logs(self, ref: str, offsets: str | None = None,
+                 tail: int | None = None) -> JobLogsOut:
+        """Members' output; to follow, pass ``offsets`` ("" first, then each answer's
+        ``offsets``) to get only the whole lines written since."""
+        params: dict[str, Any] = {}
+        if offsets is not None:
+            params["offsets"] = offsets
+        if tail is not None:
+            params["tail"] = tail
+        return self._typed(JobLogsOut, "GET", f"/v1/jobs/{ref}/logs", params=params)
+
+    def job_events(self, ref: str) -> list[JobEventOut]:
+        return self._typed(list[JobEventOut], "GET", f"/v1/jobs/{ref}/events")
 
     def stop_job(self, ref: str) -> JobOut:
         return self._typed(JobOut, "POST", f"/v1/jobs/{ref}/stop")

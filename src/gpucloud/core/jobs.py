@@ -108,11 +108,41 @@ class JobWhyOut(BaseModel):
     reasons: dict[str, int] = Field(default_factory=dict)
 
 
+class JobLogMemberOut(BaseModel):
+    """Where one member's output stands after an answer of ``/v1/jobs/{ref}/logs``."""
+
+    rank: int
+    #: The member's current attempt (a gang restart starts a new one); ``next_offset``
+    #: counts UTF-8 bytes of its output handed out so far.
+    attempt: int
+    next_offset: int
+    #: The attempt has ended: all of its output has been handed out.
+    finished: bool = False
+
+
 class JobLogsOut(BaseModel):
-    """Every member's output of its current run, each line prefixed ``[RANK] ``."""
+    """Members' output, each line prefixed ``[RANK] ``, and where to continue from.
+
+    ``finished``: the job has ended and this answer holds the last of its output.
+    ``offsets``: pass it back as the ``offsets`` parameter to get only what is new.
+    """
 
     text: str
     finished: bool
+    members: list[JobLogMemberOut] = Field(default_factory=list)
+    offsets: str = ""
+
+
+class JobEventOut(BaseModel):
+    """An event of one member pod (see ``PodEventOut``), with the member's rank."""
+
+    time: datetime
+    rank: int
+    pod: str
+    from_phase: PodPhase | None = None
+    to_phase: PodPhase | None = None
+    reason: str
+    message: str | None = None
 
 
 class AgentPodReadyRequest(_Request):

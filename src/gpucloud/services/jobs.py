@@ -1,7 +1,8 @@
 """Jobs: user intent (create, stop, delete) and what the user reads back.
 
 A job is recorded with its N member pods (``NAME-RANK``, Pending) in one transaction; the
-controller side (``services.gangs``) places, starts and restarts them as one unit.
+controller side (``services.gangs``) places, starts and restarts them as one unit. What its
+members wrote and what happened to them is read in ``services.job_history``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from gpucloud.core.errors import Conflict, InvalidInput, NotFound
 from gpucloud.core.jobs import (
     JOB_FINAL_PHASES,
     JobCreateRequest,
-    JobLogsOut,
     JobMemberOut,
     JobOut,
     JobPhase,
@@ -33,7 +33,7 @@ from gpucloud.scheduler import Explanation
 from gpucloud.services import backfill, gangs, priorities
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event
-from gpucloud.services.pods import bump_assignments, ensure_known_gpu_type, read_logs
+from gpucloud.services.pods import bump_assignments, ensure_known_gpu_type
 from gpucloud.services.projects import Principal
 from gpucloud.services.scheduling import snapshot
 
@@ -142,7 +142,7 @@ def _job_out(session: Session, job: JobModel, project: str) -> JobOut:
     )
 
 
-def _find(session: Session, caller: Principal, ref: str, lock: bool = False) -> JobModel:
+def find_job(session: Session, caller: Principal, ref: str, lock: bool = False) -> JobModel:
     """A live job of the caller's project by id or name; NotFound hides other projects."""
     query = select(JobModel).where(
         JobModel.project_id == caller.project_id, JobModel.deleted_at.is_(None),
@@ -155,7 +155,7 @@ def _find(session: Session, caller: Principal, ref: str, lock: bool = False) -> 
 
 def get_job(ctx: ServiceContext, caller: Principal, ref: str) -> JobOut:
     with ctx.db.transaction() as session:
-        return _job_out(session, _find(session, caller, ref), caller.project_name)
+        return _job_out(session, find_job(session, caller, ref), caller.project_name)
 
 
 def list_jobs(ctx: ServiceContext, caller: Principal, limit: int = 1000) -> list[JobOut]:
@@ -170,7 +170,7 @@ def list_jobs(ctx: ServiceContext, caller: Principal, limit: int = 1000) -> list
 
 def why_job(ctx: ServiceContext, caller: Principal, ref: str) -> JobWhyOut:
     with ctx.db.transaction() as session:
-        job = _find(session, caller, ref)
+        job = find_job(session, caller, ref)
         members = session.scalars(select(PodModel).where(PodModel.job_id == job.id)).all()
         reasons = job.unschedulable or {}
         summary = _why_summary(ctx, job, list(members))
@@ -201,26 +201,11 @@ def _why_summary(ctx: ServiceContext, job: JobModel, members: list[PodModel]) ->
     return f"job is {job.phase}" + (f": {job.message}" if job.message else "")
 
 
-def job_logs(ctx: ServiceContext, caller: Principal, ref: str) -> JobLogsOut:
-    """Every member's current output, each line prefixed by the member's rank."""
-    with ctx.db.transaction() as session:
-        job = _find(session, caller, ref)
-        members = session.execute(select(PodModel.id, PodModel.rank)
-                                  .where(PodModel.job_id == job.id)
-                                  .order_by(PodModel.rank)).all()
-        finished = JobPhase(job.phase) in JOB_FINAL_PHASES
-    lines: list[str] = []
-    for pod_id, rank in members:
-        text = read_logs(ctx, caller, pod_id).text
-        lines.extend(f"[{rank}] {line}" for line in text.splitlines())
-    return JobLogsOut(text="".join(f"{line}\n" for line in lines), finished=finished)
-
-
 def stop_job(ctx: ServiceContext, caller: Principal, ref: str) -> JobOut:
     """Stop every member (through the agents); the job ends Stopped once all have."""
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
-        job = _find(session, caller, ref, lock=True)
+        job = find_job(session, caller, ref, lock=True)
         if JobPhase(job.phase) in JOB_FINAL_PHASES:
             raise Conflict(f"job {job.name!r} is not running (phase {job.phase})")
         job.desired_state = "stopped"
@@ -234,7 +219,7 @@ def delete_job(ctx: ServiceContext, caller: Principal, ref: str) -> None:
     """Delete a job and its members; running members are stopped by their agents."""
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
-        job = _find(session, caller, ref, lock=True)
+        job = find_job(session, caller, ref, lock=True)
         job.deleted_at = now
         job.desired_state = "deleted"
         job.gang_state = gangs.ENDED

@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request, Response
 
 from gpucloud.api.deps import Caller, Ctx
-from gpucloud.core.jobs import JobCreateRequest, JobLogsOut, JobOut, JobWhyOut
-from gpucloud.services import jobs
+from gpucloud.core.joblogs import parse_offsets
+from gpucloud.core.jobs import JobCreateRequest, JobEventOut, JobLogsOut, JobOut, JobWhyOut
+from gpucloud.services import job_history, jobs
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -41,8 +42,21 @@ def job_why(ref: str, ctx: Ctx, caller: Caller) -> JobWhyOut:
 
 
 @router.get("/{ref}/logs")
-def job_logs(ref: str, ctx: Ctx, caller: Caller) -> JobLogsOut:
-    return jobs.job_logs(ctx, caller, ref)
+def job_logs(
+    ref: str, ctx: Ctx, caller: Caller,
+    offsets: str | None = Query(
+        default=None, description="Follow: RANK:ATTEMPT:OFFSET,... from the last answer's "
+        "`offsets` (empty: from the start); whole lines only while a member runs"),
+    tail: int | None = Query(default=None, ge=0,
+                             description="The last N lines of each member starting afresh"),
+) -> JobLogsOut:
+    positions = None if offsets is None else parse_offsets(offsets)
+    return job_history.job_logs(ctx, caller, ref, positions, tail)
+
+
+@router.get("/{ref}/events")
+def job_events(ref: str, ctx: Ctx, caller: Caller) -> list[JobEventOut]:
+    return job_history.job_events(ctx, caller, ref)
 
 
 @router.post("/{ref}/stop")
