@@ -194,6 +194,41 @@ def test_lost_node_loses_its_pods_and_restart_always_reschedules(
     assert expire_leases() == []
 
 
+def _ship(api: TestClient, reg: dict[str, Any], pod: dict[str, Any], attempt: int,
+          offset: int, data: str) -> None:
+    response = api.post(f"/v1/agent/pods/{pod['id']}/logs", headers=agent_headers(reg),
+                        json={"fencing_token": reg["fencing_token"], "attempt": attempt,
+                              "offset": offset, "data": data})
+    assert response.status_code == 200, response.text
+
+
+def test_logs_count_bytes_and_a_follower_keeps_the_start_of_a_new_attempt(
+    api: TestClient, register_node: Callable[..., dict[str, Any]], schedule: Callable[[], Any]
+) -> None:
+    reg = register_node("gpu-1")
+    pod = api.post("/v1/pods", json=POD).json()
+    schedule()
+    _status(api, reg, pod["id"], "Running", attempt=1)
+    _ship(api, reg, pod, 1, 0, "wörld\n")
+    seen = api.get("/v1/pods/job/logs").json()
+    assert (seen["next_offset"], seen["attempt"]) == (7, 1)  # bytes, not characters
+    assert api.get("/v1/pods/job/logs", params={"tail": 3}).json()["text"] == "ld\n"
+    assert api.get("/v1/pods/job/logs", params={"tail": 5}).json()["text"] == "rld\n"
+    _ship(api, reg, pod, 1, 7, "bye\n")
+    api.post("/v1/pods/job/stop")
+    _status(api, reg, pod["id"], "Stopped", attempt=1, log_tail="wörld\nbye\n")
+    api.post("/v1/pods/job/start")
+    schedule()
+    # the old attempt's tail is not the new one's output
+    assert api.get("/v1/pods/job/logs").json()["text"] == ""
+    _status(api, reg, pod["id"], "Running", attempt=2)
+    _ship(api, reg, pod, 2, 0, "again\n")
+    follow = api.get("/v1/pods/job/logs", params={"offset": 7, "attempt": 1}).json()
+    assert (follow["text"], follow["next_offset"], follow["attempt"]) == ("bye\nagain\n", 6, 2)
+    same = api.get("/v1/pods/job/logs", params={"offset": 6, "attempt": 2}).json()
+    assert same["text"] == ""
+
+
 def test_stop_grace_reaches_the_agent_and_old_attempt_logs_are_refused(
     api: TestClient, register_node: Callable[..., dict[str, Any]], schedule: Callable[[], Any]
 ) -> None:

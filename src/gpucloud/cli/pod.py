@@ -134,12 +134,10 @@ def logs(
             emit(chunk, output, lambda: None)
             return
         typer.echo(chunk.text, nl=False)
-        offset = chunk.next_offset
         while follow and not chunk.finished:
             time.sleep(FOLLOW_POLL_SECONDS)
-            chunk = api.pod_logs(pod, offset=offset)
+            chunk = api.pod_logs(pod, offset=chunk.next_offset, attempt=chunk.attempt)
             typer.echo(chunk.text, nl=False)
-            offset = chunk.next_offset
 
 
 def _action(verb: str, pod: str, output: OutputFormat, grace: float | None = None) -> None:

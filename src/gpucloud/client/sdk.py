@@ -176,10 +176,13 @@ class GpucloudClient(_Base):
     def pod_why(self, ref: str) -> PodWhyOut:
         return self._typed(PodWhyOut, "GET", f"/v1/pods/{ref}/why")
 
-    def pod_logs(self, ref: str, offset: int = 0, tail: int | None = None) -> PodLogsOut:
+    def pod_logs(self, ref: str, offset: int = 0, tail: int | None = None,
+                 attempt: int | None = None) -> PodLogsOut:
         params: dict[str, Any] = {"offset": offset}
         if tail is not None:
             params["tail"] = tail
+        if attempt is not None:
+            params["attempt"] = attempt
         return self._typed(PodLogsOut, "GET", f"/v1/pods/{ref}/logs", params=params)
 
     def stop_pod(self, ref: str, grace: float | None = None) -> PodOut:

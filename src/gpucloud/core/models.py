@@ -235,10 +235,14 @@ class PodWhyOut(BaseModel):
 
 
 class PodLogsOut(BaseModel):
+    """A piece of a pod's output. Offsets count UTF-8 bytes of ``attempt``'s output; a
+    follower passes ``next_offset`` and ``attempt`` back."""
+
     text: str
     offset: int
     next_offset: int
     finished: bool
+    attempt: int = 0
 
 
 class GpuInventory(_Request):

@@ -301,7 +301,7 @@ def _bind_member(session: Session, job: LeasedJob, rank: int, node: NodeModel,
                PodModel.phase == PodPhase.PENDING.value, PodModel.deleted_at.is_(None))
         .values(phase=PodPhase.SCHEDULED.value, node_id=node.id,
                 gpu_uuids=[uuids[int(i)] for i in milli], gpu_milli=milli, env=env,
-                attempt=PodModel.attempt + 1, reason="Scheduled",
+                attempt=PodModel.attempt + 1, log_tail=None, reason="Scheduled",
                 message=f"bound to {node.name} with the rest of its job", ready_at=None,
                 unschedulable=None, nominated_node_id=None, nominated_gpu_milli=None,
                 nominated_until=None, updated_at=now, version=PodModel.version + 1),

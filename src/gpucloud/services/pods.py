@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from datetime import datetime
 from functools import partial
 
@@ -261,18 +262,33 @@ def why_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodWhyOut:
 
 
 def read_logs(ctx: ServiceContext, caller: Principal, ref: str, offset: int = 0,
-              tail_bytes: int | None = None) -> PodLogsOut:
-    """The current attempt's output from ``offset`` (or its last ``tail_bytes``)."""
+              tail_bytes: int | None = None, attempt: int | None = None) -> PodLogsOut:
+    """The current attempt's output from byte ``offset`` (or its last ``tail_bytes``).
+
+    A follower names the ``attempt`` its offset belongs to: when the pod has restarted
+    since, it gets the rest of that attempt, every later one, then the current one from
+    its start — so following never skips the beginning of a new run.
+    """
     with ctx.db.read() as session:
         pod = _find(session, caller, ref)
-        chunks = session.scalars(
-            select(PodLogChunkModel)
-            .where(PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt == pod.attempt)
-            .order_by(PodLogChunkModel.offset)
+        first = pod.attempt if attempt is None else min(attempt, pod.attempt)
+        rows = session.execute(
+            select(PodLogChunkModel.attempt, PodLogChunkModel.data)
+            .where(PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt >= first,
+                   PodLogChunkModel.attempt <= pod.attempt)
+            .order_by(PodLogChunkModel.attempt, PodLogChunkModel.offset)
         ).all()
-        text = "".join(c.data for c in chunks)
-        if not chunks and pod.log_tail:
-            text = pod.log_tail
         finished = PodPhase(pod.phase) in TERMINAL_PHASES
-    start = max(0, len(text) - tail_bytes) if tail_bytes is not None else min(offset, len(text))
-    return PodLogsOut(text=text[start:], offset=start, next_offset=len(text), finished=finished)
+        current_attempt, log_tail = pod.attempt, pod.log_tail
+    output: dict[int, bytes] = defaultdict(bytes)
+    for number, data in rows:
+        output[number] += data.encode()
+    current = output.get(current_attempt) or (log_tail or "").encode()
+    restarted = first < current_attempt
+    earlier = b"".join([output[first][offset:], *(output[n] for n in range(
+        first + 1, current_attempt))]) if restarted else b""
+    start = (0 if restarted else max(0, len(current) - tail_bytes) if tail_bytes is not None
+             else min(offset, len(current)))
+    text = (earlier + current[start:]).decode(errors="ignore")
+    return PodLogsOut(text=text, offset=start, next_offset=len(current), finished=finished,
+                      attempt=current_attempt)

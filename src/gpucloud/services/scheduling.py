@@ -359,8 +359,9 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
                    PodModel.deleted_at.is_(None))
             .values(phase=PodPhase.SCHEDULED.value, node_id=node.id,
                     gpu_uuids=[gpu_by_index[int(i)] for i in gpu_milli],
-                    gpu_milli=gpu_milli, attempt=PodModel.attempt + 1, reason="Scheduled",
-                    message=f"bound to {node.name}", unschedulable=None, updated_at=now,
+                    gpu_milli=gpu_milli, attempt=PodModel.attempt + 1, log_tail=None,
+                    reason="Scheduled", message=f"bound to {node.name}", unschedulable=None,
+                    updated_at=now,
                     nominated_node_id=None, nominated_gpu_milli=None, nominated_until=None,
                     lock_token=None, lock_expires_at=None, version=PodModel.version + 1),
         )

@@ -49,8 +49,9 @@ def pod_why(ref: str, ctx: Ctx, caller: Caller) -> PodWhyOut:
 
 @router.get("/{ref}/logs")
 def pod_logs(ref: str, ctx: Ctx, caller: Caller, offset: int = Query(default=0, ge=0),
-             tail: int | None = Query(default=None, ge=0)) -> PodLogsOut:
-    return pods.read_logs(ctx, caller, ref, offset, tail)
+             tail: int | None = Query(default=None, ge=0),
+             attempt: int | None = Query(default=None, ge=0)) -> PodLogsOut:
+    return pods.read_logs(ctx, caller, ref, offset, tail, attempt)
 
 
 @router.post("/{ref}/stop")
