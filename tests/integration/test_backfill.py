@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from gpucloud.controllers.loops import JobController, MaxDurationController
 from gpucloud.core.clock import ManualClock
 from gpucloud.services.context import ServiceContext
+from tests.integration.conftest import h100_gpus
 from tests.integration.test_preemption import _agent_step, _phases
 
 Register = Callable[..., dict[str, Any]]
@@ -33,8 +34,9 @@ def deadlines(app_ctx: ServiceContext) -> Tick:
     return MaxDurationController(app_ctx).tick
 
 
-def _pod(api: TestClient, name: str, gpus: int, max_duration: float | str | None) -> None:
-    body: dict[str, Any] = {"name": name, "image": "busybox", "gpus": gpus}
+def _pod(api: TestClient, name: str, gpus: int, max_duration: float | str | None,
+         **extra: Any) -> None:
+    body: dict[str, Any] = {"name": name, "image": "busybox", "gpus": gpus, **extra}
     if max_duration is not None:
         body["max_duration"] = max_duration
     response = api.post("/v1/pods", json=body)
@@ -210,6 +212,69 @@ def test_a_same_rack_gang_is_reserved_within_one_rack(
     jobs_tick()
     why = api.get("/v1/jobs/big/why").json()["summary"]
     assert "nodes c, d reserved for it from " in why, why
+
+
+def test_a_gang_blocked_by_cpu_alone_is_reserved_and_backfilled_around(
+    api: TestClient, register_node: Register, schedule: Tick, jobs_tick: Tick,
+    deadlines: Tick, clock: ManualClock
+) -> None:
+    """Three 64-core nodes with all their GPUs free: CPU-only pods take 48 cores of two
+    until T0 + 600 s and all of the third for ever. A 2 x 8-GPU job asking 32 cores a
+    member fits by GPU counts now, but only the two nodes freeing at 600 s can take it."""
+    nodes = [register_node(n, address=f"127.0.0.{i + 2}") for i, n in enumerate("abc")]
+    for name, cores, max_duration in (("cpu-x", 48, 600), ("cpu-y", 48, "10m"),
+                                      ("cpu-z", 64, None)):
+        _pod(api, name, 0, max_duration, cpu=cores)
+        schedule()
+    _agent_step(api, *nodes)
+    assert set(_phases(api).values()) == {"Running"}
+    api.post("/v1/jobs", json={"name": "big", "image": "busybox", "nodes": 2,
+                               "gpus_per_node": 8, "cpu": 32})
+    jobs_tick()
+    reserved = {_node_of(api, "cpu-x"), _node_of(api, "cpu-y")}
+    why = api.get("/v1/jobs/big/why").json()["summary"]
+    assert f"nodes {', '.join(sorted(reserved))} reserved for it from " in why, why
+
+    _pod(api, "endless", 1, None, cpu=8)   # fits beside cpu-x or cpu-y, but could delay big
+    _pod(api, "quick", 1, 300, cpu=8)      # ends by the reserved start: backfills there
+    schedule()
+    _agent_step(api, *nodes)
+    assert (_phases(api)["quick"], _node_of(api, "quick") in reserved) == ("Running", True)
+    assert _phases(api)["endless"] == "Pending"
+    summary = api.get("/v1/pods/endless/why").json()["summary"]
+    assert "reserved for job big from " in summary, summary
+
+    clock.advance(600)
+    deadlines()
+    _agent_step(api, *nodes)
+    jobs_tick()
+    assert {m["node"] for m in api.get("/v1/jobs/big").json()["members"]} == reserved
+
+
+def test_gpus_of_another_model_do_not_count_against_the_gang(
+    api: TestClient, register_node: Register, schedule: Tick, jobs_tick: Tick
+) -> None:
+    """Two nodes of 4 H100 and 4 A100 GPUs; A100 pods hold the A100s of both for ever, an
+    H100 pod a's H100s until T0 + 600 s. A 2 x 4 H100 job can start then: the A100s it
+    never asked for do not keep it waiting for ever."""
+    a100 = [{"uuid": f"GPU-A{i:07d}-test", "model": "NVIDIA A100-SXM4-80GB",
+             "memory_mib": 81920, "numa_node": 1, "nvlink_peers": []} for i in range(4)]
+    nodes = [register_node(n, gpus=[*h100_gpus(4), *a100], address=f"127.0.0.{i + 2}")
+             for i, n in enumerate("ab")]
+    api.post("/v1/nodes/b/cordon")
+    _pod(api, "h100-on-a", 4, 600, gpu_type="h100")
+    schedule()
+    api.post("/v1/nodes/b/uncordon")
+    for name in ("a100-x", "a100-y"):
+        _pod(api, name, 4, None, gpu_type="A100-80GB")
+        schedule()
+    _agent_step(api, *nodes)
+    assert set(_phases(api).values()) == {"Running"} and _node_of(api, "h100-on-a") == "a"
+    api.post("/v1/jobs", json={"name": "big", "image": "busybox", "nodes": 2,
+                               "gpus_per_node": 4, "gpu_type": "h100"})
+    jobs_tick()
+    why = api.get("/v1/jobs/big/why").json()["summary"]
+    assert "nodes a, b reserved for it from " in why, why
 
 
 def _headers(node: dict[str, Any]) -> dict[str, str]:

@@ -4,10 +4,11 @@ which later work may use the nodes reserved for it.
 The head is the highest-priority, oldest queued job that the last job pass found
 ``Unschedulable``. Its reservation is computed afresh by every scheduling pass with the
 pure planner (``scheduler.backfill.reserve``) from what runs now: each active pod holds its
-GPUs until its start (or now, not started yet) plus its declared max duration; a pod that
-declared none holds them for ever. Later work may start on the reserved nodes only if it
-declares a max duration and ends by the reserved start (``ends_in_time``); other work sees
-the reserved nodes as closed, and its ``why`` says they are reserved.
+GPUs (of the gang's model), CPU and memory until its start (or now, not started yet) plus
+its declared max duration; a pod that declared none holds them for ever. Later work may
+start on the reserved nodes only if it declares a max duration and ends by the reserved
+start (``ends_in_time``); other work sees the reserved nodes as closed, and its ``why``
+says they are reserved.
 
 The gang's start is protected only as far as the declarations hold, and the max-duration
 controller (``services.max_duration``) makes them hold: work is stopped when it exceeds
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from gpucloud.core.gpu_models import canonical_name
@@ -31,7 +32,15 @@ from gpucloud.core.jobs import Topology
 from gpucloud.core.phases import ACTIVE_PHASE_VALUES
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.scheduler import Explanation, NodeState
-from gpucloud.scheduler.backfill import GangNeed, Holding, Reservation, Work, ends_in_time, reserve
+from gpucloud.scheduler.backfill import (
+    GangNeed,
+    Holding,
+    Reservation,
+    Resources,
+    Work,
+    ends_in_time,
+    reserve,
+)
 from gpucloud.scheduler.gang import LEVELS
 from gpucloud.scheduler.plugins.filters import CORDONED
 from gpucloud.services.context import ServiceContext
@@ -86,40 +95,45 @@ def head_reservation(ctx: ServiceContext, nodes: Sequence[NodeState]) -> GangRes
         ).first()
         if head is None:
             return None
-        running = _holdings(session, now)
-    need = GangNeed(head.num_nodes, head.gpus_per_node)
-    domains = _domains(nodes, head.gpu_type, Topology(head.topology))
+        foreign = _foreign_gpus(nodes, head.gpu_type)
+        running = _holdings(session, now, foreign)
+    need = GangNeed(head.num_nodes, head.gpus_per_node, head.cpu_milli, head.memory_bytes)
+    domains = _domains(nodes, _capacity(nodes, foreign), Topology(head.topology))
     planned = _earliest(now.timestamp(), domains, running, need)
     return None if planned is None else GangReservation(head.id, head.name, planned,
                                                            head.priority)
 
 
-def _earliest(now: float, domains: list[dict[str, int]], running: list[Holding],
+def _earliest(now: float, domains: list[dict[str, Resources]], running: list[Holding],
               need: GangNeed) -> Reservation | None:
     """The earliest reservation in any one domain, if it starts in the future.
 
-    A start of now means the gang fits by GPU counts, so it is blocked by what the planner
-    does not model (CPU, memory, GPU model of a shared GPU): reserving would only idle nodes.
+    The planner sees whole GPUs (of the gang's model), CPU and memory per node. A start of
+    now means enough nodes in one domain have all of that free: either capacity has freed
+    since the job pass found the gang unschedulable (the next pass places it), or it is
+    held back by what the planner does not model (the profile's checks of the GPUs
+    themselves, beyond counting them). Either way, reserving would only idle nodes.
     """
     plans = [reserve(now, capacity, _within(running, capacity), need) for capacity in domains]
     future = [p for p in plans if p is not None and p.start > now]
     return min(future, key=lambda p: (p.start, sorted(p.nodes)), default=None)
 
 
-def _within(running: list[Holding], capacity: dict[str, int]) -> list[Holding]:
+def _within(running: list[Holding], capacity: dict[str, Resources]) -> list[Holding]:
     """What runs on the nodes of ``capacity`` (work spanning domains: its part there)."""
-    parts = [Holding(h.key, {n: g for n, g in h.gpus.items() if n in capacity}, h.end)
+    names = capacity.keys()
+    parts = [h if h.resources.keys() <= names else
+             Holding(h.key, {n: r for n, r in h.resources.items() if n in names}, h.end)
              for h in running]
-    return [h for h in parts if h.gpus]
+    return [h for h in parts if h.resources]
 
 
-def _domains(nodes: Sequence[NodeState], gpu_type: str | None,
-             topology: Topology) -> list[dict[str, int]]:
+def _domains(nodes: Sequence[NodeState], capacity: dict[str, Resources],
+             topology: Topology) -> list[dict[str, Resources]]:
     """Capacity per topology domain the gang may use (its widest level: one rack for
     ``same-rack``; the whole cluster for ``any``); nodes without the labels are in none."""
     keys = LEVELS[topology][-1]
-    capacity = _capacity(nodes, gpu_type)
-    groups: dict[tuple[str | None, ...], dict[str, int]] = defaultdict(dict)
+    groups: dict[tuple[str | None, ...], dict[str, Resources]] = defaultdict(dict)
     for node in nodes:
         where = tuple(node.labels.get(k) for k in keys)
         if node.name in capacity and None not in where:
@@ -127,37 +141,73 @@ def _domains(nodes: Sequence[NodeState], gpu_type: str | None,
     return list(groups.values())
 
 
-def _capacity(nodes: Sequence[NodeState], gpu_type: str | None) -> dict[str, int]:
-    """Whole GPUs per usable node, of the gang's model when it asks for one."""
-    wanted = canonical_name(gpu_type) if gpu_type else None
-    return {n.name: sum(1 for g in n.gpus if wanted is None or canonical_name(g.model) == wanted)
-            for n in nodes if n.ready and not n.cordoned}
+def _foreign_gpus(nodes: Sequence[NodeState], gpu_type: str | None) -> dict[str, frozenset[int]]:
+    """Per usable node (ready, not cordoned), the indices of the GPUs the gang cannot take:
+    those of another model when it asks for one (on most nodes, none)."""
+    usable = [n for n in nodes if n.ready and not n.cordoned]
+    if not gpu_type:
+        return dict.fromkeys((n.name for n in usable), frozenset())
+    wanted = canonical_name(gpu_type)
+    return {n.name: frozenset(g.index for g in n.gpus if canonical_name(g.model) != wanted)
+            for n in usable}
 
 
-def _holdings(session: Session, now: datetime) -> list[Holding]:
-    """Active pods and live preemption reservations as holdings by node name: the GPUs each
-    touches (a shared GPU counts whole: a gang needs it whole) and its expected end."""
-    rows = session.execute(
-        select(PodModel.id, PodModel.node_id, PodModel.gpu_milli, PodModel.started_at,
-               PodModel.max_duration_seconds)
+def _capacity(nodes: Sequence[NodeState],
+              foreign: dict[str, frozenset[int]]) -> dict[str, Resources]:
+    """Per usable node: the GPUs the gang could take, its CPU and its memory."""
+    return {n.name: Resources(len(n.gpus) - len(foreign[n.name]), n.cpu_milli, n.memory_bytes)
+            for n in nodes if n.name in foreign}
+
+
+#: A pod's claim on a node: id, node id, GPU milli by index, CPU, memory, start, max duration.
+_Claim = Row[str, str | None, dict[str, int] | None, int, int, datetime | None, float | None]
+
+
+def _claims(session: Session, now: datetime) -> list[_Claim]:
+    """Active pods where they are bound, and live preemption reservations where they are
+    held (as ``scheduling._usage`` counts them)."""
+    bound = session.execute(
+        select(PodModel.id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,
+               PodModel.memory_bytes, PodModel.started_at, PodModel.max_duration_seconds)
         .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None))
     ).all()
-    reserved = session.execute(
+    nominated = session.execute(
         select(PodModel.id, PodModel.nominated_node_id, PodModel.nominated_gpu_milli,
-               PodModel.started_at, PodModel.max_duration_seconds)
+               PodModel.cpu_milli, PodModel.memory_bytes, PodModel.started_at,
+               PodModel.max_duration_seconds)
         .where(PodModel.phase == "Pending", PodModel.nominated_node_id.is_not(None),
                PodModel.nominated_until > now)
     ).all()
-    names = {node_id: name for node_id, name in
-             session.execute(select(NodeModel.id, NodeModel.name))}
+    return [*bound, *nominated]
+
+
+def _holdings(session: Session, now: datetime,
+              foreign: dict[str, frozenset[int]]) -> list[Holding]:
+    """The claims on usable nodes (those of ``foreign``) as holdings by node name: the GPUs
+    each touches that the gang could take (a shared GPU counts whole: a gang needs it
+    whole), its CPU and memory, and its expected end."""
+    # Node id (typed as the rows give it) -> name and the GPUs there the gang cannot take.
+    located: dict[str | None, tuple[str, frozenset[int]]] = {
+        node_id: (name, foreign[name]) for node_id, name in
+        session.execute(select(NodeModel.id, NodeModel.name)) if name in foreign}
     held: list[Holding] = []
-    for pod_id, node_id, gpu_milli, started, max_duration in [*rows, *reserved]:
-        if not node_id or not gpu_milli:
+    for pod_id, node_id, gpu_milli, cpu_milli, memory_bytes, started, max_duration in _claims(
+            session, now):
+        if node_id not in located:
             continue
-        begin = started if started is not None else now
-        end = None if max_duration is None else _epoch(begin) + max_duration
-        held.append(Holding(pod_id, {names[node_id]: len(gpu_milli)}, end))
+        name, other = located[node_id]
+        gpus = gpu_milli or {}
+        taken = len(gpus) - (sum(1 for i in gpus if int(i) in other) if other else 0)
+        held.append(Holding(pod_id, {name: Resources(taken, cpu_milli, memory_bytes)},
+                            _end(started, max_duration, now)))
     return held
+
+
+def _end(started: datetime | None, max_duration: float | None, now: datetime) -> float | None:
+    """When work ends as declared: its start (now, not started yet) plus its max duration."""
+    if max_duration is None:
+        return None
+    return _epoch(started if started is not None else now) + max_duration
 
 
 def _epoch(moment: datetime) -> float:

@@ -27,7 +27,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from gpucloud.scheduler.backfill import GangNeed, Holding, Work, ends_in_time, reserve
+from gpucloud.scheduler.backfill import GangNeed, Holding, Resources, Work, ends_in_time, reserve
 from gpucloud.scheduler.framework.cluster import Allocation
 from gpucloud.scheduler.scheduler import Scheduler
 from gpucloud.sim.jobs.cluster import Shape, SimCluster, member_pod, shape_of
@@ -182,18 +182,23 @@ def _start_around(sim: JobsSim, job: TraceJob, reserved: list[int]) -> bool:
         cordoned[reserved] = False
 
 
-def _capacity(sim: JobsSim) -> dict[str, int]:
-    return {name: sim.gpus_per_node for name in sim.cluster.state.names}
+def _capacity(sim: JobsSim) -> dict[str, Resources]:
+    """GPUs only: the trace records no CPU or memory, and the simulated cluster gives each
+    GPU a fixed share of both (``member_pod``), so they never block before GPUs do."""
+    return dict.fromkeys(sim.cluster.state.names, Resources(sim.gpus_per_node))
 
 
 def _holdings(sim: JobsSim) -> list[Holding]:
     names = sim.cluster.state.names
+    counts = [Resources(g) for g in range(sim.gpus_per_node + 1)]  # shared: they are frozen
     out = []
     for run in sim.running.values():
-        gpus: dict[str, int] = defaultdict(int)
+        held: dict[str, Resources] = {}
         for alloc in run.allocations:
-            gpus[names[alloc.node]] += len(alloc.gpu_milli)
-        out.append(Holding(run.job.key, gpus, run.end))
+            node = names[alloc.node]
+            before = held[node].gpus if node in held else 0
+            held[node] = counts[before + len(alloc.gpu_milli)]
+        out.append(Holding(run.job.key, held, run.end))
     return out
 
 
