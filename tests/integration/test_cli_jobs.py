@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from gpucloud.cli import job as job_cli
+from gpucloud.cli.common import FOLLOW_POLL_SECONDS
 from gpucloud.controllers.loops import JobController
 from gpucloud.services.context import ServiceContext
 from tests.integration.conftest import h100_gpus
@@ -163,7 +164,7 @@ def test_job_logs_follow_prints_whole_new_lines_until_the_job_ends(
     code, out, err = cli("job", "logs", "train", "--follow")
     assert (code, err) == (0, "")
     assert out == "[0] loading\n" "[0] epoch 1\n[1] warming up\n" "[1] step\n"
-    assert pauses == [job_cli.FOLLOW_POLL_SECONDS] * 2
+    assert pauses == [FOLLOW_POLL_SECONDS] * 2
     assert cli("job", "logs", "train", "-f", "--tail", "1")[1] == "[0] epoch 1\n[1] step\n"
 
 

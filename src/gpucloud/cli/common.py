@@ -20,6 +20,10 @@ from gpucloud.core.errors import GpucloudError
 from gpucloud.core.settings import gpucloud_home
 
 DEFAULT_URL = "http://127.0.0.1:8080"
+#: How often ``logs --follow`` (pods and jobs) asks for new output.
+FOLLOW_POLL_SECONDS = 1.0
+#: How event times are shown (``pod events``, ``job events``).
+EVENT_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 console = Console()
 
 

@@ -10,6 +10,8 @@ import typer
 from pydantic import ValidationError
 
 from gpucloud.cli.common import (
+    EVENT_TIME_FORMAT,
+    FOLLOW_POLL_SECONDS,
     CliError,
     OutputFormat,
     OutputOption,
@@ -26,7 +28,6 @@ from gpucloud.core.jobs import DEFAULT_READY_TIMEOUT_SECONDS, JobCreateRequest, 
 
 app = typer.Typer(help="Multi-node jobs: N pods with G GPUs each, started together.",
                   no_args_is_help=True)
-FOLLOW_POLL_SECONDS = 1.0
 #: How ``logs --follow`` waits between polls; tests replace it to drive the job instead.
 pause: Callable[[float], None] = time.sleep
 
@@ -160,7 +161,7 @@ def events(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
         items = client().job_events(job)
         emit(items, output, lambda: table(
             ["TIME", "RANK", "FROM", "TO", "REASON", "MESSAGE"],
-            [[e.time.strftime("%Y-%m-%d %H:%M:%S"), e.rank, e.from_phase, e.to_phase,
+            [[e.time.strftime(EVENT_TIME_FORMAT), e.rank, e.from_phase, e.to_phase,
               e.reason, e.message] for e in items],
         ))
 

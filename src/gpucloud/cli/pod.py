@@ -9,6 +9,8 @@ import typer
 from pydantic import ValidationError
 
 from gpucloud.cli.common import (
+    EVENT_TIME_FORMAT,
+    FOLLOW_POLL_SECONDS,
     CliError,
     OutputFormat,
     OutputOption,
@@ -23,7 +25,6 @@ from gpucloud.cli.common import (
 from gpucloud.core.models import PodCreateRequest, PodOut
 
 app = typer.Typer(help="GPU pods: containers with GPUs.", no_args_is_help=True)
-FOLLOW_POLL_SECONDS = 1.0
 
 
 def _show_pod(pod: PodOut) -> None:
@@ -104,7 +105,7 @@ def events(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
         items = client().pod_events(pod)
         emit(items, output, lambda: table(
             ["TIME", "FROM", "TO", "REASON", "MESSAGE"],
-            [[e.time.strftime("%Y-%m-%d %H:%M:%S"), e.from_phase, e.to_phase, e.reason,
+            [[e.time.strftime(EVENT_TIME_FORMAT), e.from_phase, e.to_phase, e.reason,
               e.message] for e in items],
         ))
 
