@@ -112,7 +112,7 @@ def plan_preemption(scheduler: Scheduler, nodes: Sequence[NodeState],
         key=lambda r: (r.priority, r.gpu_time_lost(now), r.key))
     if not candidates:
         return None
-    models = _gpu_models(nodes)
+    models = gpu_models(nodes)
     on_node: dict[str, list[Running]] = defaultdict(list)
     for unit in candidates:
         for name in {m.node for m in unit.members}:
@@ -127,7 +127,12 @@ def plan_preemption(scheduler: Scheduler, nodes: Sequence[NodeState],
     if found is None:
         return None
     return replace(found, reclaimed=frozenset(
-        v.key for v in found.victims if v.priority >= preemptor.priority))
+        v.key for v in found.victims if _taken_back(v, preemptor)))
+
+
+def _taken_back(victim: Running, preemptor: Preemptor) -> bool:
+    """A victim not of lower priority can only be reclaimed borrowed work."""
+    return victim.priority >= preemptor.priority
 
 
 def _reclaimable(unit: Running, preemptor: Preemptor) -> bool:
@@ -139,7 +144,8 @@ def _reclaimable(unit: Running, preemptor: Preemptor) -> bool:
             and any(m.gpu_milli for m in unit.members))
 
 
-def _gpu_models(nodes: Sequence[NodeState]) -> dict[tuple[str, int], str]:
+def gpu_models(nodes: Sequence[NodeState]) -> dict[tuple[str, int], str]:
+    """The model of every GPU, by (node name, GPU index)."""
     return {(node.name, gpu.index): gpu.model for node in nodes for gpu in node.gpus}
 
 
@@ -193,7 +199,7 @@ def _may_take(victims: Sequence[Running], preemptor: Preemptor, ledger: Ledger,
     """Whether the victims leave every other project at least at its quota, where that
     must hold: always for a borrowing preemptor, and for each project whose work of equal
     priority is reclaimed (only what it borrowed may be taken back)."""
-    reclaimed = {u.project for u in victims if u.priority >= preemptor.priority}
+    reclaimed = {u.project for u in victims if _taken_back(u, preemptor)}
     if not preemptor.borrowing and not reclaimed:
         return True
     taken: dict[tuple[str, str], int] = defaultdict(int)

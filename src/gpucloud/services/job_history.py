@@ -138,7 +138,7 @@ def _segments(member: Member, start: LogPosition, chunks: list[Chunk],
 
     An attempt before the current one has ended. The current one, ended with no chunk
     stored, falls back to the log tail its agent sent with its last status (as
-    ``pod logs`` does); while it runs that tail may still be the previous attempt's.
+    ``pod logs`` does; binding a member again clears the tail).
     """
     current = member.attempt
     stored = {attempt: [(offset, data) for _, offset, data in rows]

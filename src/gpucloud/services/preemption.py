@@ -32,6 +32,7 @@ from gpucloud.scheduler.preemption import (
     PreemptionPlan,
     Preemptor,
     Running,
+    gpu_models,
     plan_preemption,
     with_placements,
     without_victims,
@@ -188,6 +189,7 @@ class _Cluster:
     ledger: Ledger
     ids: dict[str, str]  # node name -> id
     held: backfill.GangReservation | None
+    models: dict[tuple[str, int], str]  # (node name, GPU index) -> model
 
     def nodes_for(self, key: str, priority: int, max_duration: float | None,
                   now: datetime) -> list[NodeState]:
@@ -203,15 +205,14 @@ class _Cluster:
                 project: str) -> None:
         """The plan's victims gone and its preemptor (of ``project``) placed."""
         gone = {v.key for v in plan.victims}
-        models = {(n.name, g.index): g.model for n in self.nodes for g in n.gpus}
         for unit in plan.victims:
             for member in unit.members:
                 for index, milli in member.gpu_milli.items():
-                    self.ledger.remove(unit.project, models.get((member.node, index), ""),
+                    self.ledger.remove(unit.project, self.models.get((member.node, index), ""),
                                        milli)
         for placement in plan.placements:
             for index, milli in placement.gpu_milli.items():
-                self.ledger.add(project, models.get((placement.node, index), ""), milli)
+                self.ledger.add(project, self.models.get((placement.node, index), ""), milli)
         self.nodes = with_placements(without_victims(self.nodes, plan.victims), requests,
                                      plan.placements)
         self.work = RunningWork([u for u in self.work.units if u.key not in gone],
@@ -225,7 +226,7 @@ def _cluster(ctx: ServiceContext) -> _Cluster:
         ledger = quotas.load_ledger(session, ctx.clock.now())
     return _Cluster(snap, snap.nodes, running_work(ctx, names), ledger,
                     {name: node.id for name, node in snap.by_name.items()},
-                    backfill.head_reservation(ctx, snap.nodes))
+                    backfill.head_reservation(ctx, snap.nodes), gpu_models(snap.nodes))
 
 
 @dataclass(frozen=True)

@@ -241,11 +241,14 @@ def _schedule(scheduler: Scheduler, nodes: list[NodeState], pods: list[LeasedPod
     reserved nodes included."""
     if held is None:
         return scheduler.schedule(nodes, [pod_request(p) for p in pods])
-    ahead = [p for p in pods if p.priority > held.priority]
-    kept = [p for p in pods if p.priority <= held.priority
-            and held.closes(p.priority, p.max_duration_seconds, now)]
-    free = [p for p in pods if p.priority <= held.priority
-            and not held.closes(p.priority, p.max_duration_seconds, now)]
+    ahead: list[LeasedPod] = []
+    kept: list[LeasedPod] = []
+    free: list[LeasedPod] = []
+    for pod in pods:
+        group = (ahead if pod.priority > held.priority
+                 else kept if held.closes(pod.priority, pod.max_duration_seconds, now)
+                 else free)
+        group.append(pod)
     first, nodes = _placed(scheduler, nodes, ahead)
     kept_decisions = scheduler.schedule(backfill.restricted(nodes, held),
                                         [pod_request(p) for p in kept])
