@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages: what the cloud needs to run pods, and what the tests need on top.
-RUN_PACKAGES := runc busybox-static
-TEST_PACKAGES := $(RUN_PACKAGES) postgresql docker-registry umoci skopeo fuse3 libfuse3-dev
+RUN_PACKAGES := runc busybox-static iproute2 iptables
+TEST_PACKAGES := $(RUN_PACKAGES) postgresql docker-registry umoci skopeo fuse3 libfuse3-dev \
+	openssh-client openssh-server openssh-sftp-server
 
 .PHONY: up test lint typecheck unit bench clean
 

@@ -10,8 +10,22 @@ import re
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
+from gpucloud.core.access import (
+    DEFAULT_VOLUME_PATH,
+    NetworkVolumeMount,
+    PodNetwork,
+    PortMapping,
+    check_mount_path,
+)
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.gpu_models import canonical_name, is_well_formed
 from gpucloud.core.image_ref import parse_reference
@@ -25,6 +39,7 @@ MAX_DURATION_SECONDS = 365 * 86400.0
 MAX_MEMORY_BYTES = 64 * 1024**4
 MAX_COMMAND_ARGS = 1024
 MAX_ENV_VARS = 512
+MAX_DISK_BYTES = 1024**5
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PORT = re.compile(r"^(\d{1,5})(?:/(http|tcp|udp))?$")
 
@@ -64,6 +79,72 @@ class ContainerRequest(_Request):
     #: Seconds (or ``30m``, ``2h``) after which running work is stopped
     #: (``MaxDurationExceeded``); work that declares it may backfill (docs/jobs.md).
     max_duration: float | None = None
+    #: Replaces the image's Entrypoint (``[]``: none, the command alone runs).
+    entrypoint: list[str] | None = None
+    #: The pod's volume disk (RunPod's): kept across stop and start, at ``volume_path``.
+    volume_size: int | str | None = None
+    volume_path: str | None = None
+    #: The container's own writable layer, wiped on every stop.
+    container_disk: int | str | None = None
+    #: Network volumes to mount, ``NAME`` or ``NAME:/path`` (default path /workspace).
+    network_volumes: list[str] = Field(default_factory=list, max_length=16)
+    #: Registry credentials (``gpucloud registry-auth``) to pull the image with.
+    registry_auth: DnsName | None = None
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(value) > MAX_COMMAND_ARGS:
+            raise ValueError(f"at most {MAX_COMMAND_ARGS} arguments")
+        return value
+
+    @field_validator("volume_size", "container_disk")
+    @classmethod
+    def _disk_size(cls, value: int | str | None, info: ValidationInfo) -> int | str | None:
+        if value is None:
+            return None
+        field = str(info.field_name)
+        try:
+            size = parse_memory(field, value)
+        except InvalidInput as error:
+            raise _reraise(field, error) from None
+        if size < 1024**2:
+            raise ValueError("must be at least 1Mi")
+        if size > MAX_DISK_BYTES:
+            raise ValueError("must be at most 1Pi")
+        return value
+
+    @field_validator("volume_path")
+    @classmethod
+    def _volume_path(cls, value: str | None) -> str | None:
+        return None if value is None else check_mount_path(value)
+
+    @field_validator("network_volumes")
+    @classmethod
+    def _network_volumes(cls, value: list[str]) -> list[str]:
+        normalized, paths = [], set()
+        for item in value:
+            name, _, path = str(item).partition(":")
+            try:
+                check_dns_label("network_volumes", name)
+            except InvalidInput as error:
+                raise _reraise("network_volumes", error) from None
+            mount = check_mount_path(path or DEFAULT_VOLUME_PATH)
+            if mount in paths:
+                raise ValueError(f"two volumes at {mount}")
+            paths.add(mount)
+            normalized.append(f"{name}:{mount}")
+        return normalized
+
+    @property
+    def volume_bytes(self) -> int | None:
+        return None if self.volume_size is None else parse_memory("volume_size",
+                                                                  self.volume_size)
+
+    @property
+    def container_disk_bytes(self) -> int | None:
+        return None if self.container_disk is None else parse_memory("container_disk",
+                                                                     self.container_disk)
 
     @field_validator("image")
     @classmethod
@@ -213,6 +294,18 @@ class PodOut(BaseModel):
     priority_class: str | None = None
     priority: int = 100
     max_duration: float | None = None
+    entrypoint: list[str] | None = None
+    volume_size: int | None = None
+    volume_path: str | None = None
+    container_disk: int | None = None
+    network_volumes: list[str] = Field(default_factory=list)
+    registry_auth: str | None = None
+    template: str | None = None
+    #: The node that holds the pod's volume disk (a restart goes back there).
+    volume_node: str | None = None
+    #: The pod's address and ports (RunPod's ``runtime.ports``), once it has run.
+    ip: str | None = None
+    ports_runtime: list[PortMapping] = Field(default_factory=list)
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None
@@ -266,6 +359,13 @@ class NodeRegisterRequest(_Request):
     address: str | None = None
     provider: str | None = None
     agent_version: str | None = None
+    #: The agent's access server (SSH to pods, port relay): ``host:port`` and its host key.
+    access_endpoint: str | None = Field(default=None, max_length=255)
+    access_host_key: str | None = Field(default=None, max_length=16384)
+    #: ``bridge`` (a network namespace per pod) or ``host``.
+    network_mode: str | None = Field(default=None, pattern="^(bridge|host)$")
+    #: How network volumes are mounted here: ``hostpath`` or ``nfs``.
+    volume_mode: str | None = Field(default=None, pattern="^(hostpath|nfs)$")
 
 
 class NodeRegisterResponse(BaseModel):
@@ -274,6 +374,8 @@ class NodeRegisterResponse(BaseModel):
     node_token: str
     fencing_token: int
     lease_ttl_seconds: float
+    #: The public keys (OpenSSH lines) the server's gateway logs in to the access server with.
+    gateway_public_keys: list[str] = Field(default_factory=list)
 
 
 class LeaseRequest(_Request):
@@ -295,6 +397,8 @@ class AgentPodStatusRequest(_Request):
     message: str | None = Field(default=None, max_length=4000)
     log_tail: str | None = Field(default=None, max_length=65536)
     attempt: int | None = None
+    #: The pod's address and ports, sent with ``Running``.
+    network: PodNetwork | None = None
 
 
 class AgentLogChunkRequest(_Request):
@@ -327,6 +431,15 @@ class AssignmentOut(BaseModel):
     #: (``POST /v1/agent/pods/{id}/ready``) and start its command only once released.
     barrier: bool = False
     barrier_released: bool = False
+    entrypoint: list[str] | None = None
+    #: The pod's volume disk: kept on this node across stop/start, deleted with the pod.
+    volume_bytes: int | None = None
+    volume_path: str | None = None
+    container_disk_bytes: int | None = None
+    network_volumes: list[NetworkVolumeMount] = Field(default_factory=list)
+    #: Credentials for the image's registry (``registry-auth``): username and password.
+    registry_username: str | None = None
+    registry_password: str | None = None
 
 
 class AssignmentsOut(BaseModel):
@@ -350,6 +463,9 @@ class NodeOut(BaseModel):
     fencing_token: int
     lease_expires_at: datetime | None = None
     registered_at: datetime
+    network_mode: str | None = None
+    volume_mode: str | None = None
+    access_endpoint: str | None = None
 
 
 class ProjectCreateRequest(_Request):

@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -48,6 +49,20 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 class Base(DeclarativeBase):
     type_annotation_map: dict[Any, Any] = {datetime: UTCDateTime, dict[str, Any]: JSON}
+
+
+class ContainerSpecColumns:
+    """The container spec's columns beyond image, command, env and resources, one set for
+    pods, jobs and templates (``core.spec``): entrypoint override, the pod's volume disk
+    (bytes, mount path), its container disk, network volumes (``[{"name", "path"}]``) and
+    the registry credentials (by name) its image is pulled with."""
+
+    entrypoint: Mapped[list[str] | None] = mapped_column(JSON, default=None)
+    volume_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    volume_path: Mapped[str | None] = mapped_column(String(255), default=None)
+    container_disk_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    network_volumes: Mapped[list[dict[str, str]] | None] = mapped_column(JSON, default=None)
+    registry_auth: Mapped[str | None] = mapped_column(String(63), default=None)
 
 
 class ProjectModel(Base):
@@ -95,9 +110,17 @@ class NodeModel(Base):
     registered_at: Mapped[datetime]
     assignments_revision: Mapped[int] = mapped_column(BigInteger, default=0)
     version: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: ``host:port`` of the agent's access server (SSH, exec, port relay) and its host key
+    #: (OpenSSH public key line), pinned by the server's gateway.
+    access_endpoint: Mapped[str | None] = mapped_column(String(255), default=None)
+    access_host_key: Mapped[str | None] = mapped_column(Text, default=None)
+    #: ``bridge`` (a network namespace per pod) or ``host``; None for old agents (host).
+    network_mode: Mapped[str | None] = mapped_column(String(16), default=None)
+    #: How the node mounts network volumes: ``nfs`` or ``hostpath``.
+    volume_mode: Mapped[str | None] = mapped_column(String(16), default=None)
 
 
-class PodModel(Base):
+class PodModel(ContainerSpecColumns, Base):
     __tablename__ = "pods"
     __table_args__ = (
         Index(
@@ -162,9 +185,19 @@ class PodModel(Base):
         ForeignKey("nodes.id", ondelete="SET NULL"))
     nominated_gpu_milli: Mapped[dict[str, int] | None] = mapped_column(JSON)
     nominated_until: Mapped[datetime | None]
+    #: The template the pod was created from (its values were copied at creation).
+    template: Mapped[str | None] = mapped_column(String(63), default=None)
+    #: What the agent reported of the pod's network: ``{"ip": …, "ports": [{"ip",
+    #: "isIpPublic", "privatePort", "publicPort", "type"}]}``.
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    #: A per-pod secret that lets a browser through the HTTP proxy without an API key.
+    proxy_token: Mapped[str | None] = mapped_column(String(64), default=None)
+    #: The node holding the pod's volume disk: a restart goes back there.
+    volume_node_id: Mapped[str | None] = mapped_column(
+        ForeignKey("nodes.id", ondelete="SET NULL"), default=None)
 
 
-class JobModel(Base):
+class JobModel(ContainerSpecColumns, Base):
     """A gang of ``num_nodes`` member pods (``PodModel.job_id``/``rank``).
 
     ``gang_state`` is the controller's view: ``queued`` (members Pending, to be placed
@@ -226,6 +259,70 @@ class JobModel(Base):
     lock_token: Mapped[str | None] = mapped_column(String(32))
     lock_expires_at: Mapped[datetime | None]
     version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class SshKeyModel(Base):
+    """A project's SSH public key (OpenSSH format); the gateway lets it into the project's
+    pods."""
+
+    __tablename__ = "ssh_keys"
+    __table_args__ = (UniqueConstraint("project_id", "fingerprint",
+                                       name="uq_ssh_keys_project_fp"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(255))
+    key_type: Mapped[str] = mapped_column(String(64))
+    public_key: Mapped[str] = mapped_column(Text)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+
+
+class VolumeModel(Base):
+    """A network volume: a directory on the volume host, mounted by pods on any node."""
+
+    __tablename__ = "volumes"
+    __table_args__ = (UniqueConstraint("project_id", "name", name="uq_volumes_project_name"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    zone: Mapped[str | None] = mapped_column(String(63))
+    created_at: Mapped[datetime]
+
+
+class RegistryAuthModel(Base):
+    """Credentials for pulling a template's image from a private registry."""
+
+    __tablename__ = "registry_auths"
+    __table_args__ = (UniqueConstraint("project_id", "name",
+                                       name="uq_registry_auths_project_name"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    registry_host: Mapped[str | None] = mapped_column(String(255))
+    username: Mapped[str] = mapped_column(String(255))
+    password: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
+
+
+class TemplateModel(ContainerSpecColumns, Base):
+    """A named container spec that pods are created from."""
+
+    __tablename__ = "templates"
+    __table_args__ = (UniqueConstraint("project_id", "name",
+                                       name="uq_templates_project_name"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    image: Mapped[str] = mapped_column(String(255))
+    command: Mapped[list[str]] = mapped_column(JSON)
+    env: Mapped[dict[str, str]] = mapped_column(JSON)
+    ports: Mapped[list[str]] = mapped_column(JSON)
+    gpus: Mapped[float] = mapped_column(Float, default=0)
+    gpu_type: Mapped[str | None] = mapped_column(String(64))
+    cpu_milli: Mapped[int] = mapped_column(BigInteger)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime]
 
 
 class PriorityClassModel(Base):
