@@ -31,6 +31,7 @@ from gpucloud.core.settings import Settings
 from gpucloud.images import ImageManager
 from gpucloud.images.rootfs import unmount
 from gpucloud.runtime.driver import ContainerState, RuncDriver
+from gpucloud.runtime.network import BridgeNetwork
 from tests.fixtures.postgres import free_port
 
 ADMIN_KEY = "gpc_e2e-admin-key-0123456789"
@@ -176,12 +177,13 @@ class Cloud:
 
 @contextmanager
 def running_cloud(workdir: Path, lease_ttl: float = LEASE_TTL,
-                  preemption_grace: float | None = None) -> Iterator[Cloud]:
+                  preemption_grace: float | None = None,
+                  ssh_port: int | None = None) -> Iterator[Cloud]:
     """A server on SQLite (short lease TTL and restart back-off); agents added on demand."""
     settings = Settings(home=workdir / "home", database_url=f"sqlite:///{workdir / 'db.sqlite'}",
                         admin_key=ADMIN_KEY, lease_ttl_seconds=lease_ttl,
                         restart_backoff_seconds=0.2, restart_backoff_max_seconds=1.0,
-                        preemption_grace_seconds=preemption_grace)
+                        preemption_grace_seconds=preemption_grace, ssh_port=ssh_port)
     server = ServerThread(settings, free_port())
     server.start()
     cloud = Cloud(server.url, GpucloudClient(server.url, ADMIN_KEY), workdir, server)
@@ -209,6 +211,7 @@ def clean_node(state_dir: Path) -> None:
         images.release_rootfs(driver.paths(status.container_id).root)
         driver.remove(status.container_id)
     images.close()
+    BridgeNetwork(state_dir).destroy()  # namespaces, veths, the bridge, its iptables rules
     for mount in _mounts_under(state_dir):
         unmount(Path(mount))
     for parent in Path("/sys/fs/cgroup").glob(f"*/gpucloud/{driver.scope}"):

@@ -18,15 +18,19 @@ from pathlib import Path
 
 import httpx
 
+from gpucloud.agent.access import AccessServer, PodContainer, running_container
 from gpucloud.agent.backoff import Backoff
 from gpucloud.agent.config import AgentConfig
 from gpucloud.agent.connection import AgentFailure, AgentStopped, Connection, is_transient
 from gpucloud.agent.hardware import NodeDevices, prepare_devices, registration
 from gpucloud.agent.identity import IdentityFile
+from gpucloud.agent.migration import VolumeExports, VolumeReceiver
 from gpucloud.agent.plan import plan
+from gpucloud.agent.podnetwork import node_network
 from gpucloud.agent.podworker import NodeRuntime, PodWorker, container_id
+from gpucloud.agent.volumes import VolumeStore, default_volume_mode
 from gpucloud.core.errors import GpucloudError, Unauthorized
-from gpucloud.core.models import AssignmentOut
+from gpucloud.core.models import AssignmentOut, NodeRegisterResponse
 from gpucloud.images import Credentials, ImageManager
 from gpucloud.runtime.driver import RuncDriver
 
@@ -63,16 +67,33 @@ class Agent:
                                                     config.state_dir)
         body = registration(self.devices.hardware, join_token=config.join_token,
                             name=config.name, labels=config.labels, address=config.address)
+        volume_mode = config.volume_mode or default_volume_mode(config.server)
+        body.volume_mode = volume_mode
+        body.network_mode = config.network_mode
         self.conn = Connection(config.server, body, IdentityFile(config.state_dir),
-                               self.stop_event, transport)
+                               self.stop_event, transport, on_registered=self._registered)
         self.driver = RuncDriver(config.state_dir, runc=config.runc)
+        self.registration = body
+        self.exports = VolumeExports(config.state_dir / "volumes")
+        self.access = AccessServer(
+            self.driver, self._pod_container, host_key_path=config.state_dir / "access_host_key",
+            host=config.access_host or config.address or "127.0.0.1", port=config.access_port,
+            keys_path=config.state_dir / "gateway_keys", exports=self.exports)
+        body.access_host_key = self.access.host_public_key
         self.images = ImageManager(config.state_dir,
                                    credentials=registry_logins(config.state_dir))
+        self.network = node_network(config.state_dir, mode=config.network_mode,
+                                    pod_cidr=config.pod_cidr, address=config.address,
+                                    port_range=config.port_range)
         self.runtime = NodeRuntime(
             conn=self.conn, driver=self.driver, images=self.images, devices=self.devices,
             node_name=config.name, state_dir=config.state_dir, stop=self.stop_event,
             grace_seconds=config.stop_grace_seconds,
             watch_interval=config.watch_interval_seconds,
+            volumes=VolumeStore(config.state_dir, config.server, volume_mode),
+            disk_check_interval=config.disk_check_interval_seconds,
+            network=self.network,
+            migrator=VolumeReceiver(self.conn, self.access.host_key, config.state_dir),
         )
         self.workers: dict[str, PodWorker] = {}
         self.finished: dict[str, float] = {}
@@ -89,6 +110,8 @@ class Agent:
         """Register, then serve until ``stop``; raises AgentFailure if it cannot go on."""
         threads: list[threading.Thread] = []
         try:
+            # Before registering: the registration carries the access server's endpoint.
+            self.registration.access_endpoint = self.access.start()
             self.conn.connect()
             threads = [
                 threading.Thread(target=self._guard, args=(self._lease_loop,), name="lease",
@@ -106,6 +129,8 @@ class Agent:
             pass
         finally:
             self.stop_event.set()
+            self.access.stop()  # pod sessions end; the pods keep running
+            self.network.close()  # public ports close; pods and their namespaces stay
             if not self._join(threads):
                 self.images.close()
                 self.conn.close()
@@ -115,6 +140,15 @@ class Agent:
     def stop(self) -> None:
         """Stop serving; containers keep running (a restarted agent adopts them)."""
         self.stop_event.set()
+
+    def _registered(self, response: NodeRegisterResponse) -> None:
+        """Every (re-)registration names the gateway keys that may log in to pods."""
+        self.access.set_gateway_keys(response.gateway_public_keys)
+
+    def _pod_container(self, pod_id: str) -> PodContainer | None:
+        """The pod's current running container (called from the access server's thread:
+        ``list`` copies the workers' ids at once while the poll thread may change them)."""
+        return running_container(self.driver, list(self.workers), pod_id)
 
     def _guard(self, loop: Callable[[], None]) -> None:
         """Run a loop; a fatal error stops the whole agent (and is raised from ``run``)."""
@@ -183,7 +217,9 @@ class Agent:
             if self.stop_event.is_set():
                 return
             self.revision = snapshot.revision
+            self.exports.update(snapshot.volume_exports)
             self.reconcile(snapshot.pods)
+            self._collect_volumes(snapshot.volume_pods)
 
     def reconcile(self, assigned: list[AssignmentOut]) -> None:
         """Bring workers and containers in line with what the server assigns."""
@@ -198,6 +234,15 @@ class Agent:
             self._spawn(container_id(assignment.pod_id, assignment.attempt), assignment)
         for cid in steps.reap:
             self._spawn(cid, None)
+
+    def _collect_volumes(self, volume_pods: list[str] | None) -> None:
+        """Delete volume disks the server no longer places here; only from a complete
+        list (None: a server that does not send one), never under a live worker."""
+        volumes = self.runtime.volumes
+        if volume_pods is None or volumes is None:
+            return
+        busy = [cid.rpartition("-")[0] for cid, worker in self.workers.items() if worker.alive]
+        volumes.collect(volume_pods, busy)
 
     def _spawn(self, cid: str, assignment: AssignmentOut | None) -> None:
         worker = PodWorker(self.runtime, cid, assignment)

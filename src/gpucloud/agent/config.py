@@ -58,6 +58,25 @@ class AgentConfig:
     poll_wait_seconds: float = DEFAULT_POLL_WAIT_SECONDS
     watch_interval_seconds: float = 0.1
     runc: str = "/usr/bin/runc"
+    #: How network volumes are mounted: ``hostpath`` or ``nfs``; None: hostpath when the
+    #: server URL is loopback, else nfs (agent/volumes.default_volume_mode).
+    volume_mode: str | None = None
+    #: How often running pods' volume and container disks are measured (checked limit).
+    disk_check_interval_seconds: float = 30.0
+    #: ``bridge``: a network namespace per pod on the agent's bridge; ``host``: every pod
+    #: shares the host's network. ``pod_cidr`` None: a free 10.x.y.0/24 (runtime/network).
+    network_mode: str = "bridge"
+    pod_cidr: str | None = None
+    #: Public TCP ports of ``N/tcp`` pod ports (agent/ports); None: the default range.
+    port_range: tuple[int, int] | None = None
+    #: The pod access server (SSH from the server's gateway): its address, None for
+    #: ``address`` (else 127.0.0.1), and port, 0 for any free one.
+    access_host: str | None = None
+    access_port: int = 0
 
     def __post_init__(self) -> None:
         check_dns_label("name", self.name)
+        if not 0 <= self.access_port <= 65535:
+            raise InvalidInput("access_port", f"{self.access_port} is not a port (0-65535)")
+        if self.network_mode not in ("bridge", "host"):
+            raise InvalidInput("network", f"{self.network_mode!r} is not bridge or host")

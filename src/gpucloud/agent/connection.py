@@ -29,7 +29,7 @@ from gpucloud.core.errors import (
     StaleFencingToken,
     Unauthorized,
 )
-from gpucloud.core.models import LeaseResponse, NodeRegisterRequest
+from gpucloud.core.models import LeaseResponse, NodeRegisterRequest, NodeRegisterResponse
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,9 +53,13 @@ class Connection:
     """Holds the node token and fencing token; thread-safe."""
 
     def __init__(self, server: str, registration: NodeRegisterRequest, identity: IdentityFile,
-                 stop: threading.Event, transport: httpx.BaseTransport | None = None) -> None:
+                 stop: threading.Event, transport: httpx.BaseTransport | None = None,
+                 on_registered: Callable[[NodeRegisterResponse], None] | None = None) -> None:
         self.server = server.rstrip("/")
         self._registration = registration
+        #: Called with every registration response (the access server takes the gateway
+        #: keys from it); not on a resume with the saved token, which gets no response.
+        self._on_registered = on_registered
         self._identity = identity
         self._stop = stop
         self._bootstrap = AgentClient(self.server, None, transport=transport)
@@ -132,6 +136,8 @@ class Connection:
             return
         self.node_id = response.node_id
         self._identity.save(Identity(self.server, response.node_id, name, response.node_token))
+        if self._on_registered is not None:
+            self._on_registered(response)
         client = self._bootstrap.with_token(response.node_token)
         self._adopt(client, response.fencing_token, response.lease_ttl_seconds)
         log.info("registered node %s (%s) with fencing token %d", name, response.node_id,

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpucloud.agent.connection import AgentStopped, Connection
 from gpucloud.agent.hardware import NodeDevices
 from gpucloud.agent.logship import LogShipper
+from gpucloud.agent.migration import VolumeReceiver
+from gpucloud.agent.podnetwork import NodeNetwork, PodNet
+from gpucloud.agent.volumes import DiskLimit, VolumeStore
 from gpucloud.client.sdk import AgentClient
 from gpucloud.core.errors import GpucloudError
 from gpucloud.core.jobs import AgentPodReadyRequest
@@ -33,8 +37,9 @@ from gpucloud.core.quantities import format_memory
 from gpucloud.gpu.cdi import CdiError
 from gpucloud.gpu.domain import GpuDevice
 from gpucloud.images import ImageError, ImageManager
+from gpucloud.images.auth import Credentials
 from gpucloud.images.manifest import ImageConfig as StoredImageConfig
-from gpucloud.runtime.bundle import ContainerSpec, ImageConfig
+from gpucloud.runtime.bundle import BindMount, ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import ContainerState, ContainerStatus, RuncDriver
 from gpucloud.runtime.errors import RuntimeFailure
 from gpucloud.runtime.logs import tail
@@ -67,6 +72,14 @@ class NodeRuntime:
     grace_seconds: float
     watch_interval: float
     rootfs_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Volume disks and network volumes (None: pods get neither); see agent/volumes.
+    volumes: VolumeStore | None = None
+    #: How often a running pod's disks are measured against their sizes.
+    disk_check_interval: float = 30.0
+    #: Pods' network namespaces and public ports (None: no netns with a veth, no ports).
+    network: NodeNetwork | None = None
+    #: Fetches a migrating pod's volume disk from its source node (agent/migration).
+    migrator: VolumeReceiver | None = None
 
 
 @dataclass(frozen=True)
@@ -116,25 +129,37 @@ def outcome_of(status: ContainerStatus, memory_bytes: int) -> Outcome:
     return Outcome(PodPhase.FAILED, info.exit_code, None, message)
 
 
+def pull_credentials(assignment: AssignmentOut) -> Credentials | None:
+    """The pod's registry login (``registry-auth``), when the server sent one."""
+    if assignment.registry_username is None or assignment.registry_password is None:
+        return None
+    return Credentials(assignment.registry_username, assignment.registry_password)
+
+
 def runtime_image_config(config: StoredImageConfig) -> ImageConfig:
     return ImageConfig(entrypoint=config.entrypoint, cmd=config.cmd, env=config.env,
                        working_dir=config.working_dir, user=config.user)
 
 
 def container_spec(assignment: AssignmentOut, gpus: tuple[GpuDevice, ...],
-                   node_name: str) -> ContainerSpec:
-    """The runtime's view of a pod. Published ports need the host's network (no CNI), and
-    so do a job's members (they reach each other by their nodes' addresses)."""
+                   node_name: str, binds: tuple[BindMount, ...] = (),
+                   net: PodNet | None = None) -> ContainerSpec:
+    """The runtime's view of a pod. ``net`` is the network the agent made for it (its
+    namespace, or the host's for a job's members, and the variables naming its ports)."""
     return ContainerSpec(
         container_id=container_id(assignment.pod_id, assignment.attempt),
         hostname=assignment.name,
         command=tuple(assignment.command) if assignment.command else None,
-        env=dict(assignment.env), cpu_milli=assignment.cpu_milli,
+        entrypoint=None if assignment.entrypoint is None else tuple(assignment.entrypoint),
+        env={**assignment.env, **(net.env(assignment.pod_id) if net else {})},
+        cpu_milli=assignment.cpu_milli,
         memory_bytes=assignment.memory_bytes, gpus=gpus,
-        host_network=bool(assignment.ports) or assignment.host_network,
+        host_network=net.host_network if net else assignment.host_network,
+        netns=net.netns if net else None, ip=net.ip if net and net.netns else None,
         node_name=node_name,
         labels={"pod_id": assignment.pod_id, "attempt": str(assignment.attempt),
                 "pod": assignment.name, "project": assignment.project},
+        binds=binds,
     )
 
 
@@ -148,6 +173,7 @@ class PodWorker:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._abandoned = assignment is None
+        self._net: PodNet | None = None
         self._stop_wanted = assignment is not None and assignment.desired_state == "stopped"
         self.reported: PodPhase | None = assignment.phase if assignment else None
         self.completed = False
@@ -199,9 +225,16 @@ class PodWorker:
             status = self._launch()
             if status is None:
                 return
-        elif self._gated(status):  # adopted while waiting at the start barrier
-            status = self._pass_barrier()
+        else:
+            self._adopt_network(status)
+            if self._gated(status):  # adopted while waiting at the start barrier
+                status = self._pass_barrier()
         self._watch(status)
+
+    def _adopt_network(self, status: ContainerStatus) -> None:
+        """An adopted live container keeps its namespace; its public ports open again."""
+        if self.node.network is not None and status.state in _LIVE:
+            self._net = self.node.network.adopt(self.cid)
 
     def _existing(self) -> ContainerStatus | None:
         """The container a previous agent left, if it got as far as being started."""
@@ -241,7 +274,8 @@ class PodWorker:
         return status
 
     def _create(self, assignment: AssignmentOut) -> ContainerStatus | None:
-        image = self.node.images.pull(assignment.image)
+        image = self.node.images.pull(assignment.image,
+                                      credentials=pull_credentials(assignment))
         if self._abandoned or self._stop_wanted:
             self._cleanup()
             if not self._abandoned:
@@ -251,7 +285,12 @@ class PodWorker:
         with self.node.rootfs_lock:  # see NodeRuntime: one preparation at a time
             rootfs = self.node.images.prepare_rootfs(image, driver.paths(self.cid).root)
         gpus = self.node.devices.gpus(assignment.gpu_uuids)
-        spec = container_spec(assignment, gpus, self.node.node_name)
+        if self.node.migrator is not None:
+            self.node.migrator.receive(assignment)  # before its volume disk is bound
+        binds = self.node.volumes.binds(assignment) if self.node.volumes else ()
+        if self.node.network is not None:
+            self._net = self.node.network.attach(self.cid, assignment)
+        spec = container_spec(assignment, gpus, self.node.node_name, binds, self._net)
         edits = self.node.devices.edits(gpus)
         driver.build(spec, rootfs, runtime_image_config(image.config), edits)
         return driver.create(self.cid) if assignment.barrier else driver.start(self.cid)
@@ -301,10 +340,14 @@ class PodWorker:
                 status.exit is None or status.exit.started_at is not None):
             self._advance(PodPhase.RUNNING, "Started", None)
         signalled = False
+        full: Outcome | None = None
+        disks = self._disk_limits()
         while status.state in _LIVE:
             if self.node.stop.is_set():
                 raise AgentStopped
-            if not signalled and (self._abandoned or self._stop_wanted):
+            if not signalled and full is None:
+                full = self._over_size(disks)
+            if not signalled and (self._abandoned or self._stop_wanted or full):
                 grace = 0.0 if self._abandoned else self._stop_grace()
                 self.node.driver.stop(self.cid, grace)
                 signalled = True
@@ -314,9 +357,35 @@ class PodWorker:
             status = self.node.driver.status(self.cid)
         if not self._abandoned:
             shipper.ship(final=True)
-            self._finish(outcome_of(status, self.assignment.memory_bytes), self._log_tail())
+            outcome = outcome_of(status, self.assignment.memory_bytes)
+            if full is not None and not self._stop_wanted:
+                outcome = Outcome(full.phase, outcome.exit_code, full.reason, full.message)
+            self._finish(outcome, self._log_tail())
         self._cleanup()
         shipper.forget()
+
+    def _disk_limits(self) -> list[tuple[DiskLimit, list[float]]]:
+        """The pod's sized disks, each with the monotonic time of its next check."""
+        if self.node.volumes is None:
+            return []
+        root = self.node.driver.paths(self.cid).root
+        upper = root / "overlay" / "upper"  # the writable layer; a copied rootfs otherwise
+        layer = upper if upper.is_dir() else root / "rootfs"
+        return [(limit, [0.0]) for limit in self.node.volumes.limits(self.assignment, layer)]
+
+    def _over_size(self, disks: list[tuple[DiskLimit, list[float]]]) -> Outcome | None:
+        """Measure the disks that are due; the outcome to stop the pod with if one is over
+        its size (the checked limit of agent/volumes)."""
+        now = time.monotonic()
+        for limit, due in disks:
+            if now < due[0]:
+                continue
+            due[0] = now + self.node.disk_check_interval
+            message = limit.excess()
+            if message is not None:
+                log.info("pod %s: %s", self.assignment.name, message)
+                return Outcome(PodPhase.FAILED, None, limit.reason, message)
+        return None
 
     def _reap(self, status: ContainerStatus | None) -> None:
         """Kill a container whose pod is not ours any more, and remove it."""
@@ -352,6 +421,8 @@ class PodWorker:
                 reason=reason_line(outcome.reason) if outcome.reason else None,
                 message=outcome.message[:MAX_MESSAGE] if outcome.message else None,
                 log_tail=log_tail, attempt=assignment.attempt,
+                network=(self._net.report() if self._net is not None
+                         and outcome.phase is PodPhase.RUNNING else None),
             )
             return client.report_status(assignment.pod_id, request)
 
@@ -376,6 +447,8 @@ class PodWorker:
         """Unmount and delete the pod's root filesystem and the container's directory."""
         bundle = self.node.driver.paths(self.cid).root
         try:
+            if self.node.network is not None:
+                self.node.network.detach(self.cid)
             self.node.images.release_rootfs(bundle)
             self.node.driver.remove(self.cid)
         except (GpucloudError, OSError) as error:

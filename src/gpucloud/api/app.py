@@ -12,8 +12,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gpucloud import __version__
+from gpucloud.access import gateway
+from gpucloud.access.proxy import ProxyMiddleware
 from gpucloud.api import errors
+from gpucloud.api.routers import access as access_routes
 from gpucloud.api.routers import agent, jobs, nodes, pods, policy, projects
+from gpucloud.api.routers import registry_auths as registry_auth_routes
+from gpucloud.api.routers import ssh_keys as ssh_key_routes
+from gpucloud.api.routers import templates as template_routes
+from gpucloud.api.routers import volumes as volume_routes
 from gpucloud.controllers.loops import ControllerRunner
 from gpucloud.core.clock import Clock, SystemClock
 from gpucloud.core.settings import Settings
@@ -50,6 +57,7 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
             print(f"gpucloud: admin API key (shown once): {new_key}", flush=True)
             print(f"gpucloud: also saved to {settings.home / 'admin.key'}", flush=True)
         app.state.ctx = ctx
+        ssh_gateway = await gateway.start_for_app(ctx, app.state)
         # Start-up objects (routes, schemas, the ORM) live as long as the process: keep
         # them out of the collector's full passes, which otherwise stall requests.
         gc.freeze()
@@ -66,15 +74,19 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
         finally:
             if runner:
                 runner.stop()
+            await gateway.stop(ssh_gateway)
             ctx.db.dispose()
 
     app = FastAPI(title="gpucloud", version=__version__, lifespan=lifespan)
     errors.install(app)
+    # Requests for pods' HTTP ports (by Host or /proxy/…) never reach the routers.
+    app.add_middleware(ProxyMiddleware)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    for module in (projects, nodes, agent, pods, jobs, policy):
+    for module in (projects, nodes, agent, pods, jobs, policy, volume_routes, ssh_key_routes,
+                   access_routes, template_routes, registry_auth_routes):
         app.include_router(module.router)
     return app

@@ -26,6 +26,7 @@ from gpucloud.agent.config import (
     default_state_dir,
     parse_labels,
 )
+from gpucloud.agent.ports import parse_port_range
 from gpucloud.cli.common import CliError, cli_errors
 
 RUNC = "/usr/bin/runc"
@@ -67,15 +68,43 @@ def agent(
     poll_wait: Annotated[float, typer.Option(
         help="Seconds one assignments long-poll may wait", min=0.1, max=60)
     ] = DEFAULT_POLL_WAIT_SECONDS,
+    volume_mode: Annotated[str | None, typer.Option(
+        help="How network volumes are mounted here: hostpath (the agent is on the server's "
+             "machine) or nfs; default: hostpath for a loopback server URL, else nfs")
+    ] = None,
+    disk_check_interval: Annotated[float, typer.Option(
+        help="Seconds between measurements of pods' volume and container disks", min=0.05)
+    ] = 30.0,
+    network: Annotated[str, typer.Option(
+        help="bridge: each pod gets its own network namespace on the agent's bridge; "
+             "host: every pod shares the host's network")] = "bridge",
+    pod_cidr: Annotated[str | None, typer.Option(
+        help="The pods' subnet (default: a free 10.x.y.0/24, kept in the state dir)")
+    ] = None,
+    port_range: Annotated[str | None, typer.Option(
+        help="LOW-HIGH: public TCP ports of pods' N/tcp ports (default 40000-49999)")
+    ] = None,
+    access_host: Annotated[str | None, typer.Option(
+        help="Address of the pod access server the gateway connects to "
+             "(default: --address, else 127.0.0.1)")] = None,
+    access_port: Annotated[int, typer.Option(
+        help="Port of the pod access server (default 0: any free port)", min=0, max=65535)
+    ] = 0,
 ) -> None:
     """Run the node agent: register this host, hold its lease, run its pods."""
     with cli_errors():
         _check_host()
+        if volume_mode not in (None, "hostpath", "nfs"):
+            raise CliError(f"--volume-mode: {volume_mode!r} is not hostpath or nfs")
         config = AgentConfig(
             server=server, join_token=join_token, name=name or default_node_name(),
             state_dir=(state_dir or default_state_dir()).resolve(), simulate=simulate,
             labels=parse_labels(label or []), address=address, stop_grace_seconds=stop_grace,
             poll_wait_seconds=poll_wait, runc=shutil.which("runc") or RUNC,
+            volume_mode=volume_mode, disk_check_interval_seconds=disk_check_interval,
+            network_mode=network, pod_cidr=pod_cidr,
+            port_range=parse_port_range(port_range) if port_range else None,
+            access_host=access_host, access_port=access_port,
         )
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from gpucloud.cli.common import (
     EVENT_TIME_FORMAT,
@@ -19,10 +18,9 @@ from gpucloud.cli.common import (
     client,
     emit,
     fields,
-    parse_env,
     table,
-    validation_message,
 )
+from gpucloud.cli.spec import SCHEDULING, SPEC, SpecValues, build_request, spec_options
 from gpucloud.client import GpucloudClient
 from gpucloud.core.jobs import DEFAULT_READY_TIMEOUT_SECONDS, JobCreateRequest, JobOut
 
@@ -51,41 +49,31 @@ def _show_job(job: JobOut) -> None:
 
 
 @app.command()
+@spec_options(*SPEC, *SCHEDULING)
 def create(
     name: Annotated[str, typer.Argument(help="Job name (a DNS label); members are NAME-RANK")],
-    command: Annotated[list[str] | None, typer.Argument(help="Command and args, after --")] = None,
     nodes: Annotated[int, typer.Option(help="Number of members, one per node")] = 1,
     gpus_per_node: Annotated[int, typer.Option(help="Whole GPUs of each member")] = 0,
     topology: Annotated[str, typer.Option(help="same-block, same-rack or any")] = "any",
-    priority_class: Annotated[str | None, typer.Option(
-        help="spot, batch (default), on-demand or another class")] = None,
     max_restarts: Annotated[int, typer.Option(help="Gang restarts before Failed")] = 0,
-    max_duration: Annotated[str | None, typer.Option(
-        help="Stop it after this long (90, 30m, 2h); lets it backfill")] = None,
     ready_timeout: Annotated[float, typer.Option(
         help="Seconds for every member to be ready at the start barrier")
     ] = DEFAULT_READY_TIMEOUT_SECONDS,
-    image: Annotated[str, typer.Option(help="Container image reference")] = "",
-    gpu_type: Annotated[str | None, typer.Option(help="GPU model, e.g. H100-80GB")] = None,
-    cpu: Annotated[str, typer.Option(help="CPU cores of each member")] = "1",
-    memory: Annotated[str, typer.Option(help="Memory of each member: 512Mi, 16Gi …")] = "1Gi",
-    env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
     output: OutputOption = OutputFormat.TABLE,
+    *,
+    spec: SpecValues,
 ) -> None:
-    """Create a job: gpucloud job create NAME --nodes N --gpus-per-node G --image IMAGE -- CMD"""
+    """Create a job: gpucloud job create NAME --nodes N --gpus-per-node G --image IMAGE -- CMD
+
+    Each member gets the container spec (--cpu, --memory … are per member)."""
     with cli_errors():
-        if not image:
+        if "image" not in spec:
             raise CliError("--image is required")
-        try:
-            request = JobCreateRequest.model_validate({
-                "name": name, "image": image, "command": command or [], "nodes": nodes,
-                "gpus_per_node": gpus_per_node, "topology": topology,
-                "priority_class": priority_class, "max_restarts": max_restarts,
-                "ready_timeout": ready_timeout, "gpu_type": gpu_type, "cpu": cpu,
-                "memory": memory, "env": parse_env(env or []), "max_duration": max_duration,
-            })
-        except ValidationError as error:
-            raise CliError(validation_message(error)) from None
+        request = build_request(JobCreateRequest, {
+            "name": name, "nodes": nodes, "gpus_per_node": gpus_per_node,
+            "topology": topology, "max_restarts": max_restarts,
+            "ready_timeout": ready_timeout, **spec,
+        })
         job = client().create_job(request)
         emit(job, output, lambda: typer.echo(
             f"job {job.name} created ({job.id}): {job.nodes} members, {job.phase}"))

@@ -8,6 +8,10 @@ import typer
 
 from gpucloud.cli import agent as agent_cli
 from gpucloud.cli import bench, gpu, image, job, node, pod, policy, project, server, sim, up
+from gpucloud.cli import registry_auth as registry_auth_cli
+from gpucloud.cli import ssh_key as ssh_key_cli
+from gpucloud.cli import template as template_cli
+from gpucloud.cli import volume as volume_cli
 
 app = typer.Typer(
     help="gpucloud: a self-hosted GPU cloud.",
@@ -23,7 +27,11 @@ app.add_typer(project.project_app, name="project")
 app.add_typer(project.key_app, name="key")
 app.add_typer(node.app, name="node")
 app.add_typer(pod.app, name="pod")
+app.add_typer(ssh_key_cli.app, name="ssh-key")
 app.add_typer(job.app, name="job")
+app.add_typer(volume_cli.app, name="volume")
+app.add_typer(template_cli.app, name="template")
+app.add_typer(registry_auth_cli.app, name="registry-auth")
 app.add_typer(policy.priority_app, name="priority-class")
 app.add_typer(policy.quota_app, name="quota")
 app.add_typer(gpu.app, name="gpu")

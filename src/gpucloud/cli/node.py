@@ -26,6 +26,7 @@ def _show(node: NodeOut) -> None:
         ("gpus", _gpu_summary(node)), ("gpus allocated", node.gpus_allocated),
         ("labels", ", ".join(f"{k}={v}" for k, v in node.labels.items())),
         ("fencing token", node.fencing_token),
+        ("network volumes", _volume_mode(node.volume_mode)),
         ("lease until", node.lease_expires_at.isoformat(timespec="seconds")
          if node.lease_expires_at else None),
     ])
@@ -33,6 +34,15 @@ def _show(node: NodeOut) -> None:
         peers = ",".join(map(str, gpu.nvlink_peers)) or "-"
         typer.echo(f"  gpu {gpu.index}: {gpu.model} {gpu.memory_mib} MiB numa {gpu.numa_node} "
                    f"nvlink [{peers}] {gpu.uuid}")
+
+
+def _volume_mode(mode: str | None) -> str:
+    """How the node mounts network volumes, said plainly."""
+    if mode == "nfs":
+        return "nfs (mounts the server's export of its volumes directory)"
+    if mode == "hostpath":
+        return "hostpath (binds the server's volumes directory: same machine)"
+    return "unknown (an older agent: hostpath)"
 
 
 @app.command("join-token")

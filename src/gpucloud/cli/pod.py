@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
+from gpucloud.cli import pod_access
 from gpucloud.cli.common import (
     EVENT_TIME_FORMAT,
     FOLLOW_POLL_SECONDS,
@@ -18,62 +19,68 @@ from gpucloud.cli.common import (
     client,
     emit,
     fields,
-    parse_env,
     table,
-    validation_message,
 )
+from gpucloud.cli.spec import GPUS_PORTS, SCHEDULING, SPEC, SpecValues, build_request, spec_options
 from gpucloud.core.models import PodCreateRequest, PodOut
+from gpucloud.core.quantities import format_memory
 
 app = typer.Typer(help="GPU pods: containers with GPUs.", no_args_is_help=True)
+app.command("exec")(pod_access.exec_)
+app.command("ssh")(pod_access.ssh)
+
+
+def _port_map(pod: PodOut) -> str | None:
+    """RunPod's ``runtime.ports`` in one line: ``10.0.0.2:8000/tcp, 127.0.0.1:40001->8000``."""
+    shown = [f"{p.ip}:{p.publicPort}->{p.privatePort}/{p.type}" if p.isIpPublic
+             else f"{p.ip}:{p.privatePort}/{p.type}" for p in pod.ports_runtime]
+    return ", ".join(shown) or None
 
 
 def _show_pod(pod: PodOut) -> None:
     fields([
         ("id", pod.id), ("name", pod.name), ("project", pod.project), ("phase", pod.phase),
         ("reason", pod.reason), ("message", pod.message), ("node", pod.node),
-        ("image", pod.image), ("command", " ".join(pod.command)),
+        ("image", pod.image), ("template", pod.template),
+        ("entrypoint", None if pod.entrypoint is None else shlex.join(pod.entrypoint) or '""'),
+        ("command", " ".join(pod.command)), ("registry auth", pod.registry_auth),
         ("gpus", f"{pod.gpus:g}" + (f" x {pod.gpu_type}" if pod.gpu_type else "")),
         ("gpu uuids", ", ".join(pod.gpu_uuids)), ("cpu", f"{pod.cpu:g}"),
         ("memory", pod.memory), ("env", ", ".join(f"{k}={v}" for k, v in pod.env.items())),
-        ("ports", ", ".join(pod.ports)), ("restart", pod.restart.value),
+        ("ports", ", ".join(pod.ports)), ("ip", pod.ip),
+        ("port map", _port_map(pod)), ("restart", pod.restart.value),
         ("restarts", pod.restart_count), ("exit code", pod.exit_code),
         ("max duration", f"{pod.max_duration:g}s" if pod.max_duration else None),
+        ("volume", f"{format_memory(pod.volume_size)} at {pod.volume_path} on node "
+                   f"{pod.volume_node or '(not placed yet)'}" if pod.volume_size else None),
+        ("container disk",
+         format_memory(pod.container_disk) if pod.container_disk else None),
+        ("network volumes", ", ".join(pod.network_volumes) or None),
         ("created", pod.created_at.isoformat(timespec="seconds")),
     ])
 
 
 @app.command()
+@spec_options(*SPEC, *GPUS_PORTS, *SCHEDULING)
 def create(
     name: Annotated[str, typer.Argument(help="Pod name (a DNS label), unique in the project")],
-    command: Annotated[list[str] | None, typer.Argument(help="Command and args, after --")] = None,
-    image: Annotated[str, typer.Option(help="Container image reference")] = "",
-    gpus: Annotated[float, typer.Option(help="Whole GPUs, or a share below 1 (0.5)")] = 0,
-    gpu_type: Annotated[str | None, typer.Option(help="GPU model, e.g. H100-80GB")] = None,
-    cpu: Annotated[str, typer.Option(help="CPU cores: 2, 0.5 or 500m")] = "1",
-    memory: Annotated[str, typer.Option(help="Memory: 512Mi, 16Gi …")] = "1Gi",
-    env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
-    port: Annotated[list[str] | None, typer.Option(help="PORT[/http|tcp], repeatable")] = None,
-    restart: Annotated[str, typer.Option(help="never, on-failure or always")] = "never",
-    priority_class: Annotated[str | None, typer.Option(
-        help="spot, batch (default), on-demand or another class")] = None,
-    max_duration: Annotated[str | None, typer.Option(
-        help="Stop it after this long (90, 30m, 2h); lets it backfill")] = None,
+    template: Annotated[str | None, typer.Option(
+        help="Start from this template; the options given here override it")] = None,
+    restart: Annotated[str | None, typer.Option(
+        help="never (default), on-failure or always")] = None,
     output: OutputOption = OutputFormat.TABLE,
+    *,
+    spec: SpecValues,
 ) -> None:
-    """Create a pod: gpucloud pod create NAME --image IMAGE [--gpus N] -- COMMAND [ARGS...]"""
+    """Create a pod: gpucloud pod create NAME --image IMAGE [--gpus N] -- COMMAND [ARGS...]
+
+    or from a template: gpucloud pod create NAME --template T [--gpus N …]"""
     with cli_errors():
-        if not image:
-            raise CliError("--image is required")
-        try:
-            request = PodCreateRequest.model_validate({
-                "name": name, "image": image, "command": command or [], "gpus": gpus,
-                "gpu_type": gpu_type, "cpu": cpu, "memory": memory,
-                "env": parse_env(env or []), "ports": port or [], "restart": restart,
-                "priority_class": priority_class, "max_duration": max_duration,
-            })
-        except ValidationError as error:
-            raise CliError(validation_message(error)) from None
-        pod = client().create_pod(request)
+        if template is None and "image" not in spec:
+            raise CliError("--image is required (or --template)")
+        extra = {"template": template, "restart": restart}
+        body = {"name": name, **spec, **{k: v for k, v in extra.items() if v is not None}}
+        pod = client().create_pod(build_request(PodCreateRequest, body))
         emit(pod, output, lambda: typer.echo(f"pod {pod.name} created ({pod.id}): {pod.phase}"))
 
 
@@ -141,10 +148,12 @@ def logs(
             typer.echo(chunk.text, nl=False)
 
 
-def _action(verb: str, pod: str, output: OutputFormat, grace: float | None = None) -> None:
+def _action(verb: str, pod: str, output: OutputFormat, grace: float | None = None,
+            gpus: float | None = None, migrate: bool = False) -> None:
     with cli_errors():
         api = client()
-        found = api.stop_pod(pod, grace) if verb == "stop" else api.start_pod(pod)
+        found = (api.stop_pod(pod, grace) if verb == "stop"
+                 else api.start_pod(pod, gpus, migrate))
         note = "stopping" if verb == "stop" and found.phase != "Stopped" else found.phase
         emit(found, output, lambda: typer.echo(f"pod {found.name}: {note}"))
 
@@ -162,9 +171,18 @@ def stop(
 
 
 @app.command()
-def start(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
-    """Start a stopped or finished pod again."""
-    _action("start", pod, output)
+def start(
+    pod: str,
+    gpus: Annotated[float | None, typer.Option(
+        help="GPUs from this start on; 0 starts it without GPUs, to reach its volume")
+    ] = None,
+    migrate: Annotated[bool, typer.Option(
+        "--migrate", help="Start on any node with room: its volume disk is copied there "
+                          "from the node holding it (checked by sha256)")] = False,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Start a stopped or finished pod again (on the node holding its volume disk)."""
+    _action("start", pod, output, gpus=gpus, migrate=migrate)
 
 
 @app.command()

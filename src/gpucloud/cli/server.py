@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -14,6 +16,7 @@ from gpucloud.core.settings import Settings
 #: How long a stopping server waits for requests in flight: agents' long polls (up to
 #: 60 s) are cut, and the agents simply poll again.
 SHUTDOWN_SECONDS = 3
+DEFAULT_SSH_PORT = 2222
 
 
 def server(
@@ -22,10 +25,21 @@ def server(
     workers: Annotated[int, typer.Option(help="Server processes (PostgreSQL or SQLite)",
                                          min=1, max=64)] = 1,
     access_log: Annotated[bool, typer.Option(help="Log every request")] = False,
+    ssh_port: Annotated[int, typer.Option(
+        help="Port of the SSH gateway into pods (0: any free port)", min=0, max=65535,
+        envvar="GPUCLOUD_SSH_PORT")] = DEFAULT_SSH_PORT,
+    ssh_host: Annotated[str | None, typer.Option(
+        help="Address of the SSH gateway (default: --host)")] = None,
 ) -> None:
-    """Run the control plane (API, scheduler, node leases)."""
+    """Run the control plane (API, scheduler, node leases, the SSH gateway)."""
     with cli_errors():
-        settings = Settings.from_env()
+        if workers > 1 and ssh_port == 0:
+            raise CliError("--ssh-port 0 needs --workers 1 (the workers share one port)")
+        settings = replace(Settings.from_env(), ssh_port=ssh_port, ssh_host=ssh_host or host,
+                           ssh_reuse_port=workers > 1)
+        # Worker processes build their settings from the environment.
+        os.environ.update(GPUCLOUD_SSH_PORT=str(ssh_port), GPUCLOUD_SSH_HOST=settings.ssh_host,
+                          GPUCLOUD_SSH_REUSE_PORT="1" if workers > 1 else "0")
         settings.home.mkdir(parents=True, exist_ok=True)
         typer.echo(f"gpucloud server on http://{host}:{port} (state in {settings.home}, "
                    f"database {settings.database_url.split('://')[0]})")

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
+from gpucloud.core.access import PodAccessOut, SshKeyOut, VolumeCreateRequest, VolumeOut
 from gpucloud.core.errors import (
     Conflict,
     Forbidden,
@@ -53,6 +54,12 @@ from gpucloud.core.policy import (
     PriorityClassOut,
     QuotaOut,
     QuotaSetRequest,
+)
+from gpucloud.core.spec import (
+    RegistryAuthAddRequest,
+    RegistryAuthOut,
+    TemplateCreateRequest,
+    TemplateOut,
 )
 
 T = TypeVar("T")
@@ -189,11 +196,47 @@ class GpucloudClient(_Base):
         params = {"grace": grace} if grace is not None else None
         return self._typed(PodOut, "POST", f"/v1/pods/{ref}/stop", params=params)
 
-    def start_pod(self, ref: str) -> PodOut:
-        return self._typed(PodOut, "POST", f"/v1/pods/{ref}/start")
+    def start_pod(self, ref: str, gpus: float | None = None, migrate: bool = False) -> PodOut:
+        """``gpus``: start it with this many GPUs from now on (0: for data access).
+        ``migrate``: on any node with room, its volume disk copied there first."""
+        params: dict[str, Any] = {"gpus": gpus} if gpus is not None else {}
+        if migrate:
+            params["migrate"] = "true"
+        return self._typed(PodOut, "POST", f"/v1/pods/{ref}/start", params=params or None)
+
+    # network volumes
+    def create_volume(self, request: VolumeCreateRequest | dict[str, Any]) -> VolumeOut:
+        body = _body(request) if isinstance(request, BaseModel) else request
+        return self._typed(VolumeOut, "POST", "/v1/volumes", json=body)
+
+    def list_volumes(self) -> list[VolumeOut]:
+        return self._typed(list[VolumeOut], "GET", "/v1/volumes")
+
+    def get_volume(self, ref: str) -> VolumeOut:
+        return self._typed(VolumeOut, "GET", f"/v1/volumes/{ref}")
+
+    def delete_volume(self, ref: str) -> None:
+        self._call("DELETE", f"/v1/volumes/{ref}")
 
     def delete_pod(self, ref: str) -> None:
         self._call("DELETE", f"/v1/pods/{ref}")
+
+    def pod_access(self, ref: str) -> PodAccessOut:
+        """The pod's ``ssh`` command and the proxy URLs of its HTTP ports."""
+        return self._typed(PodAccessOut, "GET", f"/v1/pods/{ref}/access")
+
+    # SSH keys
+    def add_ssh_key(self, public_key: str, name: str | None = None) -> SshKeyOut:
+        body: dict[str, Any] = {"public_key": public_key}
+        if name is not None:
+            body["name"] = name
+        return self._typed(SshKeyOut, "POST", "/v1/ssh-keys", json=body)
+
+    def list_ssh_keys(self) -> list[SshKeyOut]:
+        return self._typed(list[SshKeyOut], "GET", "/v1/ssh-keys")
+
+    def remove_ssh_key(self, ref: str) -> SshKeyOut:
+        return self._typed(SshKeyOut, "DELETE", f"/v1/ssh-keys/{ref}")
 
     # jobs
     def create_job(self, request: JobCreateRequest | dict[str, Any]) -> JobOut:
@@ -228,6 +271,29 @@ class GpucloudClient(_Base):
 
     def delete_job(self, ref: str) -> None:
         self._call("DELETE", f"/v1/jobs/{ref}")
+
+    # templates and registry credentials: a template takes the same spec as a pod
+    def create_template(self, request: TemplateCreateRequest | dict[str, Any]) -> TemplateOut:
+        body = _body(request) if isinstance(request, BaseModel) else request
+        return self._typed(TemplateOut, "POST", "/v1/templates", json=body)
+
+    def list_templates(self) -> list[TemplateOut]:
+        return self._typed(list[TemplateOut], "GET", "/v1/templates")
+
+    def get_template(self, ref: str) -> TemplateOut:
+        return self._typed(TemplateOut, "GET", f"/v1/templates/{ref}")
+
+    def delete_template(self, ref: str) -> None:
+        self._call("DELETE", f"/v1/templates/{ref}")
+
+    def add_registry_auth(self, request: RegistryAuthAddRequest) -> RegistryAuthOut:
+        return self._typed(RegistryAuthOut, "POST", "/v1/registry-auths", json=_body(request))
+
+    def list_registry_auths(self) -> list[RegistryAuthOut]:
+        return self._typed(list[RegistryAuthOut], "GET", "/v1/registry-auths")
+
+    def remove_registry_auth(self, ref: str) -> None:
+        self._call("DELETE", f"/v1/registry-auths/{ref}")
 
     # scheduling policy
     def list_priority_classes(self) -> list[PriorityClassOut]:

@@ -96,3 +96,25 @@ class PodAccessOut(BaseModel):
     ssh_command: str
     http: dict[str, str] = Field(default_factory=dict)
     proxy_token: str | None = None
+
+
+class VolumeCreateRequest(BaseModel):
+    """``gpucloud volume create NAME --size 100Gi [--zone Z]``: a network volume."""
+
+    model_config = {"extra": "forbid"}
+    name: str = Field(max_length=63)
+    size: int | str
+    #: Where pods that mount it should run (a node label ``zone``); informational for now.
+    zone: str | None = Field(default=None, max_length=63)
+
+
+class VolumeOut(BaseModel):
+    id: str
+    name: str
+    project: str
+    size_bytes: int
+    size: str
+    zone: str | None = None
+    #: The live pods that mount it now (a volume is deleted only when there are none).
+    mounted_by: list[str] = Field(default_factory=list)
+    created_at: datetime

@@ -12,8 +12,9 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
-from gpucloud.core.models import ContainerRequest, _Request
+from gpucloud.core.models import ContainerRequest
 from gpucloud.core.phases import PodPhase
+from gpucloud.core.spec import ContainerSpecOut, _Request
 
 MAX_JOB_NODES = 1024
 MAX_GPUS_PER_NODE = 64
@@ -46,6 +47,7 @@ class Topology(StrEnum):
 class JobCreateRequest(ContainerRequest):
     """``gpucloud job create``: ``nodes`` members with ``gpus_per_node`` GPUs each."""
 
+    image: str  # every member runs it
     nodes: int = Field(ge=1, le=MAX_JOB_NODES)
     gpus_per_node: int = Field(default=0, ge=0, le=MAX_GPUS_PER_NODE)
     topology: Topology = Topology.ANY
@@ -69,21 +71,15 @@ class JobMemberOut(BaseModel):
     ready: bool = False
 
 
-class JobOut(BaseModel):
+class JobOut(ContainerSpecOut):
     id: str
     name: str
     project: str
     phase: JobPhase
     reason: str | None = None
     message: str | None = None
-    image: str
-    command: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
     nodes: int
     gpus_per_node: int
-    gpu_type: str | None = None
-    cpu: float = 1
-    memory: str = "1Gi"
     topology: Topology = Topology.ANY
     priority_class: str | None = None
     priority: int = 100

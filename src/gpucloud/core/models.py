@@ -6,161 +6,47 @@ Request bodies end in ``Request``; they forbid unknown fields so a typo is a 422
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-)
+from pydantic import BaseModel, Field, field_validator
 
-from gpucloud.core.access import (
-    DEFAULT_VOLUME_PATH,
-    NetworkVolumeMount,
-    PodNetwork,
-    PortMapping,
-    check_mount_path,
-)
+from gpucloud.core.access import NetworkVolumeMount, PodNetwork, PortMapping
 from gpucloud.core.errors import InvalidInput
-from gpucloud.core.gpu_models import canonical_name, is_well_formed
-from gpucloud.core.image_ref import parse_reference
-from gpucloud.core.names import check_dns_label
 from gpucloud.core.phases import NodeStatus, PodPhase, RestartPolicy
-from gpucloud.core.quantities import parse_cpu_milli, parse_duration, parse_memory
+from gpucloud.core.quantities import parse_duration
+from gpucloud.core.spec import (
+    MAX_COMMAND_ARGS,
+    MAX_CPU_MILLI,
+    MAX_DISK_BYTES,
+    MAX_ENV_VARS,
+    MAX_GPUS_PER_POD,
+    MAX_MEMORY_BYTES,
+    ContainerSpec,
+    ContainerSpecOut,
+    DnsName,
+    Gpus,
+    Ports,
+    _Request,
+    _reraise,
+)
 
-MAX_GPUS_PER_POD = 64
-MAX_CPU_MILLI = 1024 * 1000
+#: The container spec's limits (``core.spec``) stay importable from here.
+__all__ = ["MAX_COMMAND_ARGS", "MAX_CPU_MILLI", "MAX_DISK_BYTES", "MAX_ENV_VARS",
+           "MAX_GPUS_PER_POD", "MAX_MEMORY_BYTES", "ContainerRequest", "PodCreateRequest"]
 MAX_DURATION_SECONDS = 365 * 86400.0
-MAX_MEMORY_BYTES = 64 * 1024**4
-MAX_COMMAND_ARGS = 1024
-MAX_ENV_VARS = 512
-MAX_DISK_BYTES = 1024**5
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_PORT = re.compile(r"^(\d{1,5})(?:/(http|tcp|udp))?$")
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-def _reraise(field: str, error: InvalidInput) -> ValueError:
-    """Turn InvalidInput into the ValueError pydantic reports against ``field``."""
-    return ValueError(error.message.removeprefix(f"{field}: "))
-
-
-def _dns_name(value: str) -> str:
-    try:
-        return check_dns_label("name", value)
-    except InvalidInput as error:
-        raise _reraise("name", error) from None
-
-
-#: A user-chosen name: a DNS label (lower-case letters, digits, '-'; at most 63).
-DnsName = Annotated[str, AfterValidator(_dns_name)]
-
-
-class ContainerRequest(_Request):
-    """What pods and jobs share: name, image, command, resources and environment."""
+class ContainerRequest(ContainerSpec):
+    """What pods and jobs are created with: a name, the container spec, and how the
+    scheduler treats the work (priority class, maximum duration)."""
 
     name: DnsName
-    image: str
-    command: list[str] = Field(default_factory=list)
-    gpu_type: str | None = None
-    cpu: float | str = 1
-    memory: int | str = "1Gi"
-    env: dict[str, str] = Field(default_factory=dict)
     #: A priority class (``gpucloud priority-class list``); checked by the server.
     priority_class: DnsName | None = None
     #: Seconds (or ``30m``, ``2h``) after which running work is stopped
     #: (``MaxDurationExceeded``); work that declares it may backfill (docs/jobs.md).
     max_duration: float | None = None
-    #: Replaces the image's Entrypoint (``[]``: none, the command alone runs).
-    entrypoint: list[str] | None = None
-    #: The pod's volume disk (RunPod's): kept across stop and start, at ``volume_path``.
-    volume_size: int | str | None = None
-    volume_path: str | None = None
-    #: The container's own writable layer, wiped on every stop.
-    container_disk: int | str | None = None
-    #: Network volumes to mount, ``NAME`` or ``NAME:/path`` (default path /workspace).
-    network_volumes: list[str] = Field(default_factory=list, max_length=16)
-    #: Registry credentials (``gpucloud registry-auth``) to pull the image with.
-    registry_auth: DnsName | None = None
-
-    @field_validator("entrypoint")
-    @classmethod
-    def _entrypoint(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and len(value) > MAX_COMMAND_ARGS:
-            raise ValueError(f"at most {MAX_COMMAND_ARGS} arguments")
-        return value
-
-    @field_validator("volume_size", "container_disk")
-    @classmethod
-    def _disk_size(cls, value: int | str | None, info: ValidationInfo) -> int | str | None:
-        if value is None:
-            return None
-        field = str(info.field_name)
-        try:
-            size = parse_memory(field, value)
-        except InvalidInput as error:
-            raise _reraise(field, error) from None
-        if size < 1024**2:
-            raise ValueError("must be at least 1Mi")
-        if size > MAX_DISK_BYTES:
-            raise ValueError("must be at most 1Pi")
-        return value
-
-    @field_validator("volume_path")
-    @classmethod
-    def _volume_path(cls, value: str | None) -> str | None:
-        return None if value is None else check_mount_path(value)
-
-    @field_validator("network_volumes")
-    @classmethod
-    def _network_volumes(cls, value: list[str]) -> list[str]:
-        normalized, paths = [], set()
-        for item in value:
-            name, _, path = str(item).partition(":")
-            try:
-                check_dns_label("network_volumes", name)
-            except InvalidInput as error:
-                raise _reraise("network_volumes", error) from None
-            mount = check_mount_path(path or DEFAULT_VOLUME_PATH)
-            if mount in paths:
-                raise ValueError(f"two volumes at {mount}")
-            paths.add(mount)
-            normalized.append(f"{name}:{mount}")
-        return normalized
-
-    @property
-    def volume_bytes(self) -> int | None:
-        return None if self.volume_size is None else parse_memory("volume_size",
-                                                                  self.volume_size)
-
-    @property
-    def container_disk_bytes(self) -> int | None:
-        return None if self.container_disk is None else parse_memory("container_disk",
-                                                                     self.container_disk)
-
-    @field_validator("image")
-    @classmethod
-    def _image(cls, value: str) -> str:
-        try:
-            parse_reference(value)
-        except InvalidInput as error:
-            raise _reraise("image", error) from None
-        return value
-
-    @field_validator("command")
-    @classmethod
-    def _command(cls, value: list[str]) -> list[str]:
-        if len(value) > MAX_COMMAND_ARGS:
-            raise ValueError(f"at most {MAX_COMMAND_ARGS} arguments")
-        return value
 
     @field_validator("max_duration", mode="before")
     @classmethod
@@ -175,86 +61,17 @@ class ContainerRequest(_Request):
             raise ValueError("must be at most 365 days")
         return seconds
 
-    @field_validator("gpu_type")
-    @classmethod
-    def _gpu_type(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        if not is_well_formed(value):
-            raise ValueError(f"{value!r} is not a GPU model name")
-        return canonical_name(value)
-
-    @field_validator("cpu")
-    @classmethod
-    def _cpu(cls, value: float | str) -> float | str:
-        try:
-            milli = parse_cpu_milli("cpu", value)
-        except InvalidInput as error:
-            raise _reraise("cpu", error) from None
-        if milli > MAX_CPU_MILLI:
-            raise ValueError(f"must be at most {MAX_CPU_MILLI // 1000} cores")
-        return value
-
-    @field_validator("memory")
-    @classmethod
-    def _memory(cls, value: int | str) -> int | str:
-        try:
-            size = parse_memory("memory", value)
-        except InvalidInput as error:
-            raise _reraise("memory", error) from None
-        if size > MAX_MEMORY_BYTES:
-            raise ValueError("must be at most 64Ti")
-        if size < 4 * 1024**2:
-            raise ValueError("must be at least 4Mi")
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        if len(value) > MAX_ENV_VARS:
-            raise ValueError(f"at most {MAX_ENV_VARS} variables")
-        for key in value:
-            if not _ENV_KEY.match(key):
-                raise ValueError(f"{key!r} is not a valid variable name")
-        return value
-
-    @property
-    def cpu_milli(self) -> int:
-        return parse_cpu_milli("cpu", self.cpu)
-
-    @property
-    def memory_bytes(self) -> int:
-        return parse_memory("memory", self.memory)
-
 
 class PodCreateRequest(ContainerRequest):
-    gpus: float = 0
-    ports: list[str] = Field(default_factory=list)
+    """``gpucloud pod create``. With ``template``, the template's spec is the base and
+    only the fields given here (``model_fields_set``) override it; without one, ``image``
+    is required (checked by the service, which knows whether the template exists)."""
+
+    gpus: Gpus = 0
+    ports: Ports = Field(default_factory=list)
     restart: RestartPolicy = RestartPolicy.NEVER
-
-    @field_validator("gpus")
-    @classmethod
-    def _gpus(cls, value: float) -> float:
-        if value < 0:
-            raise ValueError("must not be negative")
-        if value > MAX_GPUS_PER_POD:
-            raise ValueError(f"must be at most {MAX_GPUS_PER_POD}")
-        if value > 1 and value != int(value):
-            raise ValueError("a fraction of a GPU is allowed only below 1 (e.g. 0.5)")
-        if 0 < value < 1 and round(value * 1000) < 1:
-            raise ValueError("a GPU share must be at least 0.001")
-        return value
-
-    @field_validator("ports")
-    @classmethod
-    def _ports(cls, value: list[str]) -> list[str]:
-        normalized = []
-        for port in value:
-            match = _PORT.match(str(port))
-            if not match or not 1 <= int(match.group(1)) <= 65535:
-                raise ValueError(f"{port!r} is not PORT[/http|tcp|udp] with 1 <= PORT <= 65535")
-            normalized.append(f"{int(match.group(1))}/{match.group(2) or 'tcp'}")
-        return normalized
+    #: A template of the project (``gpucloud template``) to start from.
+    template: DnsName | None = None
 
     @property
     def whole_gpus(self) -> int:
@@ -266,7 +83,7 @@ class PodCreateRequest(ContainerRequest):
         return round(self.gpus * 1000) if 0 < self.gpus < 1 else 0
 
 
-class PodOut(BaseModel):
+class PodOut(ContainerSpecOut):
     id: str
     name: str
     project: str
@@ -278,14 +95,7 @@ class PodOut(BaseModel):
     exit_code: int | None = None
     restart_count: int = 0
     desired_state: str = "running"
-    image: str
-    command: list[str] = Field(default_factory=list)
     gpus: float = 0
-    gpu_type: str | None = None
-    cpu: float = 1
-    memory: str = "1Gi"
-    memory_bytes: int = 0
-    env: dict[str, str] = Field(default_factory=dict)
     ports: list[str] = Field(default_factory=list)
     restart: RestartPolicy = RestartPolicy.NEVER
     #: Set on the members of a job (``gpucloud job``): the job's id and the member's rank.
@@ -294,12 +104,6 @@ class PodOut(BaseModel):
     priority_class: str | None = None
     priority: int = 100
     max_duration: float | None = None
-    entrypoint: list[str] | None = None
-    volume_size: int | None = None
-    volume_path: str | None = None
-    container_disk: int | None = None
-    network_volumes: list[str] = Field(default_factory=list)
-    registry_auth: str | None = None
     template: str | None = None
     #: The node that holds the pod's volume disk (a restart goes back there).
     volume_node: str | None = None
@@ -389,6 +193,35 @@ class LeaseResponse(BaseModel):
     new_grant: bool
 
 
+class VolumeSource(BaseModel):
+    """Where a migrating pod's volume disk is fetched from (``pod start --migrate``): the
+    source node's access server, pinned to its host key. The destination logs in as
+    ``volume-<pod id>`` with its own access host key."""
+
+    node: str
+    endpoint: str
+    host_key: str
+
+
+class VolumeExport(BaseModel):
+    """A volume disk on this node that one other node may fetch: that node's access host
+    key (an OpenSSH line) is the only key its ``volume-<pod id>`` login accepts."""
+
+    pod_id: str
+    peer_node: str
+    peer_key: str
+
+
+class VolumeMigrationReport(_Request):
+    """How fetching a migrating pod's volume disk went: its size and the sha256 of the
+    stream both ends computed, or why it failed."""
+
+    source_node: str = Field(max_length=200)
+    size_bytes: int | None = Field(default=None, ge=0)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    error: str | None = Field(default=None, max_length=1000)
+
+
 class AgentPodStatusRequest(_Request):
     fencing_token: int
     phase: PodPhase
@@ -399,6 +232,8 @@ class AgentPodStatusRequest(_Request):
     attempt: int | None = None
     #: The pod's address and ports, sent with ``Running``.
     network: PodNetwork | None = None
+    #: The outcome of fetching a migrating pod's volume disk (before its container starts).
+    volume_migration: VolumeMigrationReport | None = None
 
 
 class AgentLogChunkRequest(_Request):
@@ -436,16 +271,25 @@ class AssignmentOut(BaseModel):
     volume_bytes: int | None = None
     volume_path: str | None = None
     container_disk_bytes: int | None = None
+    #: Set while the volume disk is still on another node (``pod start --migrate``): fetch
+    #: it from there before the container is built.
+    volume_source: VolumeSource | None = None
     network_volumes: list[NetworkVolumeMount] = Field(default_factory=list)
     #: Credentials for the image's registry (``registry-auth``): username and password.
     registry_username: str | None = None
-    registry_password: str | None = None
+    registry_password: str | None = Field(default=None, repr=False)
 
 
 class AssignmentsOut(BaseModel):
     revision: int
     fencing_token: int
     pods: list[AssignmentOut]
+    #: The pods whose volume disks live on this node (bound here, or stopped with their
+    #: volume here); the agent deletes every other volume directory. None (an older
+    #: server): unknown, the agent deletes none.
+    volume_pods: list[str] | None = None
+    #: Volume disks here that a migration's destination node may fetch now.
+    volume_exports: list[VolumeExport] = Field(default_factory=list)
 
 
 class NodeOut(BaseModel):

@@ -8,7 +8,7 @@ from datetime import datetime
 from pydantic import BaseModel, Field, field_validator
 
 from gpucloud.core.gpu_models import canonical_name, is_well_formed
-from gpucloud.core.models import DnsName, _Request
+from gpucloud.core.spec import DnsName, _Request
 
 #: The priority classes every cluster has; more are created by an admin.
 DEFAULT_PRIORITY_CLASSES: dict[str, tuple[int, str]] = {

@@ -27,6 +27,18 @@ class Settings:
     #: The grace period of preempted pods (SIGTERM, then SIGKILL); None: the pod's own
     #: stop grace, else the agent's default.
     preemption_grace_seconds: float | None = None
+    #: The HTTP proxy serves ``{pod-id}-{port}.{proxy_domain}`` (Host header, any port).
+    proxy_domain: str = "localhost"
+    #: A proxied request or WebSocket with no bytes either way for this long is closed
+    #: (an idle timeout only: no cut-off of long downloads or streams).
+    proxy_idle_timeout_seconds: float = 3600.0
+    #: The SSH gateway's port (0: any free port, recorded on ``app.state.ssh_port``); None:
+    #: no gateway (``gpucloud server`` defaults to 2222).
+    ssh_port: int | None = None
+    #: The address the SSH gateway listens on.
+    ssh_host: str = "127.0.0.1"
+    #: Let several server processes (``--workers``) share the SSH port (SO_REUSEPORT).
+    ssh_reuse_port: bool = False
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -40,8 +52,18 @@ class Settings:
             scheduler_profile=os.environ.get("GPUCLOUD_SCHEDULER_PROFILE", "default"),
             preemption_grace_seconds=_optional_float(
                 os.environ.get("GPUCLOUD_PREEMPTION_GRACE")),
+            proxy_domain=os.environ.get("GPUCLOUD_PROXY_DOMAIN") or "localhost",
+            proxy_idle_timeout_seconds=float(os.environ.get("GPUCLOUD_PROXY_IDLE_TIMEOUT",
+                                                            "3600")),
+            ssh_port=_optional_int(os.environ.get("GPUCLOUD_SSH_PORT")),
+            ssh_host=os.environ.get("GPUCLOUD_SSH_HOST") or "127.0.0.1",
+            ssh_reuse_port=os.environ.get("GPUCLOUD_SSH_REUSE_PORT") == "1",
         )
 
 
 def _optional_float(value: str | None) -> float | None:
     return float(value) if value else None
+
+
+def _optional_int(value: str | None) -> int | None:
+    return int(value) if value else None

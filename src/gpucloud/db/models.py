@@ -52,11 +52,18 @@ class Base(DeclarativeBase):
 
 
 class ContainerSpecColumns:
-    """The container spec's columns beyond image, command, env and resources, one set for
-    pods, jobs and templates (``core.spec``): entrypoint override, the pod's volume disk
-    (bytes, mount path), its container disk, network volumes (``[{"name", "path"}]``) and
-    the registry credentials (by name) its image is pulled with."""
+    """The container spec's columns (``core.spec.ContainerSpec``), one set for pods, jobs
+    and templates: image, command, env, GPU model, CPU and memory, the entrypoint
+    override, the pod's volume disk (bytes, mount path), its container disk, network
+    volumes (``[{"name", "path"}]``) and the registry credentials (by name) its image is
+    pulled with. ``services.spec`` maps a request to these columns and back."""
 
+    image: Mapped[str] = mapped_column(String(255))
+    command: Mapped[list[str]] = mapped_column(JSON)
+    env: Mapped[dict[str, str]] = mapped_column(JSON)
+    gpu_type: Mapped[str | None] = mapped_column(String(64))
+    cpu_milli: Mapped[int] = mapped_column(BigInteger)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)
     entrypoint: Mapped[list[str] | None] = mapped_column(JSON, default=None)
     volume_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     volume_path: Mapped[str | None] = mapped_column(String(255), default=None)
@@ -141,14 +148,8 @@ class PodModel(ContainerSpecColumns, Base):
     reason: Mapped[str | None] = mapped_column(String(200))
     message: Mapped[str | None] = mapped_column(Text)
     desired_state: Mapped[str] = mapped_column(String(16), default="running")
-    image: Mapped[str] = mapped_column(String(255))
-    command: Mapped[list[str]] = mapped_column(JSON)
-    env: Mapped[dict[str, str]] = mapped_column(JSON)
     ports: Mapped[list[str]] = mapped_column(JSON)
     gpus: Mapped[float] = mapped_column(Float, default=0)
-    gpu_type: Mapped[str | None] = mapped_column(String(64))
-    cpu_milli: Mapped[int] = mapped_column(BigInteger)
-    memory_bytes: Mapped[int] = mapped_column(BigInteger)
     restart_policy: Mapped[str] = mapped_column(String(16))
     stop_grace_seconds: Mapped[float | None] = mapped_column(Float)
     #: Declared by the user: stopped when it has run this long; lets it backfill.
@@ -195,6 +196,10 @@ class PodModel(ContainerSpecColumns, Base):
     #: The node holding the pod's volume disk: a restart goes back there.
     volume_node_id: Mapped[str | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), default=None)
+    #: While ``pod start --migrate`` moves the volume disk: the node it is copied from (it
+    #: keeps its copy, and lets only the destination fetch it, until the copy is confirmed).
+    volume_source_node_id: Mapped[str | None] = mapped_column(
+        ForeignKey("nodes.id", ondelete="SET NULL"), default=None)
 
 
 class JobModel(ContainerSpecColumns, Base):
@@ -227,14 +232,8 @@ class JobModel(ContainerSpecColumns, Base):
     desired_state: Mapped[str] = mapped_column(String(16), default="running")
     gang_state: Mapped[str] = mapped_column(String(16))
     teardown: Mapped[str | None] = mapped_column(String(16))
-    image: Mapped[str] = mapped_column(String(255))
-    command: Mapped[list[str]] = mapped_column(JSON)
-    env: Mapped[dict[str, str]] = mapped_column(JSON)
     num_nodes: Mapped[int] = mapped_column(Integer)
     gpus_per_node: Mapped[int] = mapped_column(Integer)
-    gpu_type: Mapped[str | None] = mapped_column(String(64))
-    cpu_milli: Mapped[int] = mapped_column(BigInteger)
-    memory_bytes: Mapped[int] = mapped_column(BigInteger)
     topology: Mapped[str] = mapped_column(String(16))
     priority_class: Mapped[str | None] = mapped_column(String(63))
     priority: Mapped[int] = mapped_column(Integer, default=100, server_default="100")
@@ -314,14 +313,8 @@ class TemplateModel(ContainerSpecColumns, Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(63))
-    image: Mapped[str] = mapped_column(String(255))
-    command: Mapped[list[str]] = mapped_column(JSON)
-    env: Mapped[dict[str, str]] = mapped_column(JSON)
     ports: Mapped[list[str]] = mapped_column(JSON)
     gpus: Mapped[float] = mapped_column(Float, default=0)
-    gpu_type: Mapped[str | None] = mapped_column(String(64))
-    cpu_milli: Mapped[int] = mapped_column(BigInteger)
-    memory_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime]
 
 

@@ -54,8 +54,11 @@ class ImageManager:
         self.platform = platform or host_platform()
         self._blobs = BlobStore(self.root)
         self._index = ImageIndex(self.root)
+        self._insecure = tuple(insecure)
+        self._transport = transport
+        self._max_parallel_downloads = max_parallel_downloads
         self._client = RegistryClient(
-            credentials=credentials, insecure=insecure, transport=transport
+            credentials=credentials, insecure=self._insecure, transport=transport
         )
         self._puller = Puller(
             self._client, self._blobs, self._index, self.platform, max_parallel_downloads
@@ -79,8 +82,14 @@ class ImageManager:
         *,
         always: bool = False,
         on_progress: ProgressCallback | None = None,
+        credentials: Credentials | None = None,
     ) -> Image:
         """The image, from the store when present (unless ``always``), else from its registry.
+
+        ``credentials`` (a pod's registry login) are used for this pull alone, in place of
+        the node's for the image's registry, with a token cache of their own, so one pod's
+        login never authorizes another's pull. An image already in the store is not
+        fetched again, whoever pulled it (as Kubernetes' ``IfNotPresent``).
 
         Raises ``ImageNotFound``, ``RegistryUnauthorized``, ``RegistryUnavailable``,
         ``DigestMismatch``, ``NoMatchingPlatform`` or ``InvalidImage``.
@@ -90,7 +99,13 @@ class ImageManager:
             cached = self._cached(ref)
             if cached is not None:
                 return cached
-        return self._puller.pull(ref, on_progress)
+        if credentials is None:
+            return self._puller.pull(ref, on_progress)
+        with RegistryClient(credentials={ref.registry: credentials}, insecure=self._insecure,
+                            transport=self._transport) as client:
+            puller = Puller(client, self._blobs, self._index, self.platform,
+                            self._max_parallel_downloads)
+            return puller.pull(ref, on_progress)
 
     def get(self, image: str | ImageReference) -> Image:
         """The image from the local store only; ``ImageNotFound`` when it is not there."""

@@ -52,15 +52,19 @@ class ImageConfig:
 
 @dataclass(frozen=True)
 class ContainerSpec:
-    """What the pod asks for. ``command`` replaces the image's Cmd (not its Entrypoint).
+    """What the pod asks for. ``command`` replaces the image's Cmd; ``entrypoint``, when
+    given, replaces its Entrypoint (``()``: none, the command alone runs), as
+    ``docker run --entrypoint`` does — and, as there, then drops the image's Cmd too.
 
-    ``host_network`` shares the host's network namespace so published ports work without
-    CNI; otherwise the container gets its own namespace with only loopback.
+    ``host_network`` shares the host's network namespace; otherwise the container joins
+    ``netns`` (a namespace the agent made: veth, address ``ip``, see runtime/network), or,
+    without one, gets a namespace of its own with only loopback.
     """
 
     container_id: str
     hostname: str
     command: Sequence[str] | None = None
+    entrypoint: Sequence[str] | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     working_dir: str | None = None
     cpu_milli: int = 0
@@ -70,6 +74,20 @@ class ContainerSpec:
     pids_limit: int | None = None
     node_name: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: Host directories bound into the container (volume disk, network volumes).
+    binds: Sequence[BindMount] = ()
+    #: The network namespace to join (a path) and the pod's address in it.
+    netns: str | None = None
+    ip: str | None = None
+
+
+@dataclass(frozen=True)
+class BindMount:
+    """A host directory at ``destination`` in the container (runc creates the mount point)."""
+
+    source: Path
+    destination: str
+    readonly: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,7 +99,11 @@ class Bundle:
 
 
 def _argv(image: ImageConfig, spec: ContainerSpec) -> tuple[str, ...]:
-    argv = image.entrypoint + (tuple(spec.command) if spec.command is not None else image.cmd)
+    if spec.entrypoint is not None:
+        argv = tuple(spec.entrypoint) + tuple(spec.command or ())
+    else:
+        argv = image.entrypoint + (tuple(spec.command) if spec.command is not None
+                                   else image.cmd)
     if not argv:
         raise BundleError("no command: the image has no Entrypoint or Cmd and the pod gives none")
     return argv
@@ -140,7 +162,7 @@ def _write_etc(paths: ContainerPaths, spec: ContainerSpec, resolv_conf: Path) ->
     (paths.etc_dir / "hostname").write_text(spec.hostname + "\n")
     (paths.etc_dir / "hosts").write_text(
         "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-        f"127.0.1.1\t{spec.hostname}\n"
+        f"{spec.ip or '127.0.1.1'}\t{spec.hostname}\n"
     )
     try:
         resolv = resolv_conf.read_text()
@@ -157,12 +179,15 @@ def _mounts(paths: ContainerPaths, spec: ContainerSpec) -> list[dict[str, Any]]:
         oci.bind_mount(paths.etc_dir / "hostname", "/etc/hostname", readonly=False),
         oci.bind_mount(paths.etc_dir / "resolv.conf", "/etc/resolv.conf", readonly=False),
         oci.bind_mount(paths.run_dir, GPUS_JSON_DIR, readonly=True),
+        *(oci.bind_mount(b.source, b.destination, readonly=b.readonly) for b in spec.binds),
     ]
 
 
 def _namespaces(spec: ContainerSpec) -> list[dict[str, str]]:
-    kinds = ["pid", "ipc", "uts", "mount"] + ([] if spec.host_network else ["network"])
-    return [{"type": kind} for kind in kinds]
+    namespaces = [{"type": kind} for kind in ("pid", "ipc", "uts", "mount")]
+    if not spec.host_network:
+        namespaces.append({"type": "network", **({"path": spec.netns} if spec.netns else {})})
+    return namespaces
 
 
 def _resources(spec: ContainerSpec) -> dict[str, Any]:

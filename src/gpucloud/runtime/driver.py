@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -271,6 +271,49 @@ class RuncDriver:
 
     def log_path(self, container_id: str) -> Path:
         return self.paths(container_id).log
+
+    def exec_command(self, container_id: str, argv: Sequence[str], *, tty: bool = False,
+                     env: Mapping[str, str] | None = None, pid_file: Path | None = None,
+                     process_file: Path | None = None) -> list[str]:
+        """The ``runc exec`` command line running ``argv`` in a running container, with the
+        container's own environment (plus ``env``), working directory and user.
+
+        With ``tty`` runc gives the process a terminal of its own and relays it to its own
+        stdin/stdout, which must then be a terminal. With ``process_file`` (written by the
+        caller from ``exec_process``) the process comes from that file instead of ``argv``
+        and ``env``: the only way to size the terminal before the process starts.
+        ``pid_file`` receives the host pid of the process (to kill it if the caller goes
+        away: runc cannot forward SIGKILL).
+        """
+        self.paths(container_id)  # validates the id
+        command = [self.runc, "--root", str(self.runc_root), "exec"]
+        if tty:
+            command.append("--tty")
+        if pid_file is not None:
+            command += ["--pid-file", str(pid_file)]
+        if process_file is not None:
+            return [*command, "--process", str(process_file), container_id]
+        for key, value in (env or {}).items():
+            command += ["--env", f"{key}={value}"]
+        return [*command, container_id, *argv]
+
+    def exec_process(self, container_id: str, argv: Sequence[str], *, tty: bool = False,
+                     env: Mapping[str, str] | None = None,
+                     console_size: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The OCI process for ``runc exec --process``: the container's own (user, cwd,
+        capabilities, environment), running ``argv``; ``console_size`` is (width, height)."""
+        config = read_json(self.paths(container_id).config)
+        if not isinstance(config, dict) or not isinstance(config.get("process"), dict):
+            raise NotFound(f"container {container_id} has no bundle")
+        process: dict[str, Any] = dict(config["process"])
+        merged = dict(item.partition("=")[::2] for item in process.get("env") or [])
+        merged.update(env or {})
+        process.update(args=list(argv), terminal=tty,
+                       env=[f"{key}={value}" for key, value in merged.items()])
+        process.pop("consoleSize", None)
+        if tty and console_size is not None and all(console_size):
+            process["consoleSize"] = {"width": console_size[0], "height": console_size[1]}
+        return process
 
     def prune_cgroups(self, cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
         """Remove this agent's empty cgroup parents (runc removes only the containers')."""

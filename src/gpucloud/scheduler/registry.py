@@ -18,6 +18,7 @@ from gpucloud.scheduler.plugins.filters import (
     NodeCondition,
     NodeSelector,
     RequestCheck,
+    RequiredNode,
 )
 from gpucloud.scheduler.plugins.policies import (
     BestFitScore,
@@ -30,10 +31,10 @@ from gpucloud.scheduler.plugins.reserve import GpuReserve
 from gpucloud.scheduler.plugins.topology import TopologyScore
 
 PRE_FILTERS = ("RequestCheck",)
-FILTERS = ("NodeCondition", "NodeSelector", "GpuModel", "CpuMemoryFit", "GpuFit")
+FILTERS = ("RequiredNode", "NodeCondition", "NodeSelector", "GpuModel", "CpuMemoryFit", "GpuFit")
 
 PLUGINS: tuple[Any, ...] = (
-    RequestCheck, NodeCondition, NodeSelector, CpuMemoryFit, GpuModel, GpuFit,
+    RequestCheck, RequiredNode, NodeCondition, NodeSelector, CpuMemoryFit, GpuModel, GpuFit,
     TopologyScore, RandomScore, DotProductScore, GpuClusteringScore,
     GpuPackingScore, BestFitScore, FgdScore, GpuReserve, FgdReserve,
 )

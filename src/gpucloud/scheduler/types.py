@@ -53,7 +53,8 @@ class PodRequest:
     """Pending work: ``gpus`` whole GPUs, or ``gpu_milli`` (1..999) of one GPU, or a MIG slice.
 
     ``gpu_model`` may list alternatives separated by ``|`` (as the Alibaba trace does);
-    ``node_selector`` labels must all match the node's labels.
+    ``node_selector`` labels must all match the node's labels; ``required_node``, when set,
+    is the only node the pod may go to (a stopped pod's volume disk lives there).
     """
 
     key: str
@@ -65,6 +66,7 @@ class PodRequest:
     mig_profile: str | None = None
     min_gpu_memory_mib: int | None = None
     node_selector: dict[str, str] = field(default_factory=dict)
+    required_node: str | None = None
 
     @property
     def gpu_request_milli(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from gpucloud.core.errors import Conflict, NotFound
@@ -27,11 +27,14 @@ from gpucloud.core.phases import (
     should_restart,
 )
 from gpucloud.db.models import JobModel, NodeModel, PodLogChunkModel, PodModel, ProjectModel
+from gpucloud.services import migration, volumes
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import transition
 from gpucloud.services.nodes import check_fencing
 from gpucloud.services.pods import bump_assignments, requeue
 from gpucloud.services.scheduling import retry_unschedulable
+from gpucloud.services.spec import pull_credentials
+from gpucloud.services.ssh_keys import public_keys
 
 #: Stops the server decided: the pod keeps this reason, not the agent's "Stopped".
 _SERVER_STOPS = {"Preempted", "MaxDurationExceeded"}
@@ -54,10 +57,53 @@ def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
                    PodModel.deleted_at.is_(None))
             .order_by(PodModel.created_at)
         ).all()
-        pods = [_assignment(pod, project, released is not None)
+        keys = public_keys(session, {pod.project_id for pod, _, _ in rows})
+        pods = [_with_public_key(_assignment(pod, project, released is not None),
+                                 keys.get(pod.project_id))
                 for pod, project, released in rows]
+        for (pod, _, _), assignment in zip(rows, pods, strict=True):
+            _add_volumes(ctx, session, node, pod, assignment)
+            _add_pull_credentials(session, pod, assignment)
         return AssignmentsOut(revision=node.assignments_revision,
-                              fencing_token=node.fencing_token, pods=pods)
+                              fencing_token=node.fencing_token, pods=pods,
+                              volume_pods=_volume_pods(session, node_id),
+                              volume_exports=migration.exports(session, node_id))
+
+
+def _add_volumes(ctx: ServiceContext, session: Session, node: NodeModel, pod: PodModel,
+                 assignment: AssignmentOut) -> None:
+    """The pod's volume disk, container disk and network volumes, as this node mounts them."""
+    assignment.volume_bytes = pod.volume_bytes
+    assignment.volume_path = pod.volume_path
+    assignment.container_disk_bytes = pod.container_disk_bytes
+    assignment.volume_source = migration.volume_source(session, pod, node)
+    assignment.network_volumes = volumes.mounts_for_node(
+        ctx, session, pod.project_id, pod.network_volumes, node.volume_mode)
+
+
+def _volume_pods(session: Session, node_id: str) -> list[str]:
+    """Live pods whose volume disk lives on this node: the agent keeps only their dirs."""
+    return list(session.scalars(
+        select(PodModel.id).where(
+            PodModel.deleted_at.is_(None), PodModel.volume_bytes.is_not(None),
+            or_(PodModel.volume_node_id == node_id, PodModel.node_id == node_id,
+                PodModel.volume_source_node_id == node_id))
+        .order_by(PodModel.id)))
+
+
+def _with_public_key(assignment: AssignmentOut, keys: str | None) -> AssignmentOut:
+    """RunPod's ``PUBLIC_KEY``: the project's SSH keys, unless the pod sets its own."""
+    if keys and "PUBLIC_KEY" not in assignment.env:
+        assignment.env = {"PUBLIC_KEY": keys, **assignment.env}
+    return assignment
+
+
+def _add_pull_credentials(session: Session, pod: PodModel, assignment: AssignmentOut) -> None:
+    """The registry login the pod's image is pulled with, when it names one (for its
+    image's registry only)."""
+    credentials = pull_credentials(session, pod, pod.project_id)
+    if credentials is not None:
+        assignment.registry_username, assignment.registry_password = credentials
 
 
 def _assignment(pod: PodModel, project: str, barrier_released: bool) -> AssignmentOut:
@@ -70,7 +116,7 @@ def _assignment(pod: PodModel, project: str, barrier_released: bool) -> Assignme
         memory_bytes=pod.memory_bytes, gpu_uuids=pod.gpu_uuids,
         gpu_milli=round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0,
         stop_grace_seconds=pod.stop_grace_seconds, host_network=member, barrier=member,
-        barrier_released=member and barrier_released,
+        barrier_released=member and barrier_released, entrypoint=pod.entrypoint,
     )
 
 
@@ -95,6 +141,10 @@ def report_status(ctx: ServiceContext, node_id: str, pod_id: str,
             raise Conflict(f"report for attempt {report.attempt}; the pod is on {pod.attempt}")
         if report.log_tail is not None:
             pod.log_tail = report.log_tail
+        if report.network is not None:
+            pod.network = report.network.model_dump()
+        if report.volume_migration is not None:
+            migration.apply_report(session, pod, node, report.volume_migration, now)
         current = PodPhase(pod.phase)
         if report.phase is current:
             _update_reason(pod, report, now)

@@ -27,21 +27,21 @@ from gpucloud.core.jobs import (
 )
 from gpucloud.core.names import MAX_NAME_LENGTH
 from gpucloud.core.phases import ACTIVE_PHASES, PodPhase, RestartPolicy
-from gpucloud.core.quantities import format_memory
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.scheduler import Explanation
 from gpucloud.services import backfill, gangs, priorities
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event
-from gpucloud.services.pods import bump_assignments, ensure_known_gpu_type
+from gpucloud.services.pods import bump_assignments
 from gpucloud.services.projects import Principal
 from gpucloud.services.scheduling import snapshot
+from gpucloud.services.spec import check_spec, copy_columns, spec_columns, spec_out
 
 
 def create_job(ctx: ServiceContext, caller: Principal, request: JobCreateRequest) -> JobOut:
     """Record the job and its Pending members in one transaction."""
     _check_member_names(request)
-    ensure_known_gpu_type(ctx, request.gpu_type)
+    check_spec(ctx, caller.project_id, request)
     now = ctx.clock.now()
     priority = priorities.resolve_cached(ctx, request.priority_class)
     job = _new_job(caller, request, now, priority)
@@ -87,15 +87,13 @@ def _new_job(caller: Principal, request: JobCreateRequest, now: datetime,
     return JobModel(
         id=new_id(), project_id=caller.project_id, name=request.name,
         phase=JobPhase.PENDING.value, reason="Created", message=None, desired_state="running",
-        gang_state=gangs.QUEUED, teardown=None, image=request.image, command=request.command,
-        env=request.env, num_nodes=request.nodes, gpus_per_node=request.gpus_per_node,
-        gpu_type=request.gpu_type, cpu_milli=request.cpu_milli,
-        memory_bytes=request.memory_bytes, topology=request.topology.value,
+        gang_state=gangs.QUEUED, teardown=None, num_nodes=request.nodes,
+        gpus_per_node=request.gpus_per_node, topology=request.topology.value,
         priority_class=priority[0], priority=priority[1],
         max_restarts=request.max_restarts, restarts=0,
         max_duration_seconds=request.max_duration,
         ready_timeout_seconds=request.ready_timeout, ready_timeouts=0, created_at=now,
-        updated_at=now, version=0,
+        updated_at=now, version=0, **spec_columns(request),
     )
 
 
@@ -103,14 +101,12 @@ def _member(job: JobModel, rank: int, now: datetime) -> PodModel:
     """A member pod: never restarted on its own (the gang restarts as a unit)."""
     return PodModel(
         id=new_id(), project_id=job.project_id, name=member_name(job.name, rank),
-        phase=PodPhase.PENDING.value, reason="Created", desired_state="running",
-        image=job.image, command=job.command, env=dict(job.env), ports=[],
-        gpus=float(job.gpus_per_node), gpu_type=job.gpu_type, cpu_milli=job.cpu_milli,
-        memory_bytes=job.memory_bytes, restart_policy=RestartPolicy.NEVER.value,
+        phase=PodPhase.PENDING.value, reason="Created", desired_state="running", ports=[],
+        gpus=float(job.gpus_per_node), restart_policy=RestartPolicy.NEVER.value,
         priority_class=job.priority_class, priority=job.priority,
         max_duration_seconds=job.max_duration_seconds, gpu_uuids=[], gpu_milli={},
         attempt=0, restart_count=0, job_id=job.id, rank=rank,
-        created_at=now, updated_at=now, version=0,
+        created_at=now, updated_at=now, version=0, **copy_columns(job),
     )
 
 
@@ -129,16 +125,16 @@ def _job_out(session: Session, job: JobModel, project: str) -> JobOut:
     ]
     return JobOut(
         id=job.id, name=job.name, project=project, phase=JobPhase(job.phase),
-        reason=job.reason, message=job.message, image=job.image, command=job.command,
-        env=job.env, nodes=job.num_nodes, gpus_per_node=job.gpus_per_node,
-        gpu_type=job.gpu_type, cpu=job.cpu_milli / 1000, memory=format_memory(job.memory_bytes),
-        topology=Topology(job.topology), priority_class=job.priority_class,
-        priority=job.priority, max_duration=job.max_duration_seconds,
+        reason=job.reason, message=job.message, nodes=job.num_nodes,
+        gpus_per_node=job.gpus_per_node, topology=Topology(job.topology),
+        priority_class=job.priority_class, priority=job.priority,
+        max_duration=job.max_duration_seconds,
         max_restarts=job.max_restarts, restarts=job.restarts,
         ready_timeout=job.ready_timeout_seconds, master_port=master_port(job.id),
         barrier_released=job.barrier_released_at is not None,
         desired_state=job.desired_state, members=members, created_at=job.created_at,
         updated_at=job.updated_at, started_at=job.started_at, finished_at=job.finished_at,
+        **spec_out(job),
     )
 
 

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from gpucloud.access.keys import gateway_public_keys
 from gpucloud.core.errors import NotFound, StaleFencingToken, Unauthorized
 from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.models import (
@@ -72,6 +73,7 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegi
     now = ctx.clock.now()
     secret = new_secret("gpn")
     ttl = ctx.settings.lease_ttl_seconds
+    gateway_keys = gateway_public_keys(ctx.settings.home)
     with ctx.db.transaction() as session:
         _check_join_token(session, request.join_token, now)
         node = session.scalar(select(NodeModel).where(NodeModel.name == request.name))
@@ -86,10 +88,20 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegi
         node.labels = request.labels
         node.address = request.address
         node.provider = request.provider
+        _set_access(node, request)
         _grant(node, now, ttl)
         retry_unschedulable(session)
         return NodeRegisterResponse(node_id=node.id, name=node.name, node_token=secret,
-                                    fencing_token=node.fencing_token, lease_ttl_seconds=ttl)
+                                    fencing_token=node.fencing_token, lease_ttl_seconds=ttl,
+                                    gateway_public_keys=gateway_keys)
+
+
+def _set_access(node: NodeModel, request: NodeRegisterRequest) -> None:
+    """Where the gateway reaches this node's access server, and how the node is set up."""
+    node.access_endpoint = request.access_endpoint
+    node.access_host_key = request.access_host_key
+    node.network_mode = request.network_mode
+    node.volume_mode = request.volume_mode
 
 
 def _grant(node: NodeModel, now: datetime, ttl: float) -> None:
@@ -153,7 +165,8 @@ def _node_out(node: NodeModel, gpus_allocated: int) -> NodeOut:
         gpus=[GpuInventory.model_validate(g) for g in node.gpus], gpus_allocated=gpus_allocated,
         labels=node.labels, address=node.address, provider=node.provider,
         fencing_token=node.fencing_token, lease_expires_at=node.lease_expires_at,
-        registered_at=node.registered_at,
+        registered_at=node.registered_at, network_mode=node.network_mode,
+        volume_mode=node.volume_mode, access_endpoint=node.access_endpoint,
     )
 
 

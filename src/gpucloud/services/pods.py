@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime
 from functools import partial
+from typing import Any
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpucloud.core.errors import Conflict, InvalidInput, NotFound
-from gpucloud.core.gpu_models import lookup
 from gpucloud.core.models import (
     PodCreateRequest,
     PodEventOut,
@@ -19,15 +19,23 @@ from gpucloud.core.models import (
     PodOut,
     PodWhyOut,
 )
-from gpucloud.core.phases import ACTIVE_PHASES, TERMINAL_PHASES, PodPhase, RestartPolicy
-from gpucloud.core.quantities import format_memory
+from gpucloud.core.phases import (
+    ACTIVE_PHASES,
+    TERMINAL_PHASES,
+    NodeStatus,
+    PodPhase,
+    RestartPolicy,
+)
+from gpucloud.core.spec import check_gpus
 from gpucloud.db.models import Base, NodeModel, PodEventModel, PodLogChunkModel, PodModel
 from gpucloud.db.session import on_commit
 from gpucloud.scheduler import Explanation
-from gpucloud.services import priorities, wakeups
+from gpucloud.services import migration, priorities, templates, volumes, wakeups
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.projects import Principal
+from gpucloud.services.proxy import new_proxy_token
+from gpucloud.services.spec import check_spec, spec_columns, spec_out
 
 #: Pending reasons whose message is the answer to ``why``: over quota, or waiting for the
 #: victims of its preemption to stop.
@@ -40,44 +48,41 @@ def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
         id=pod.id, name=pod.name, project=project_name, phase=PodPhase(pod.phase),
         reason=pod.reason, message=pod.message, node=node_name, gpu_uuids=pod.gpu_uuids,
         exit_code=pod.exit_code, restart_count=pod.restart_count,
-        desired_state=pod.desired_state, image=pod.image, command=pod.command, gpus=pod.gpus,
-        gpu_type=pod.gpu_type, cpu=pod.cpu_milli / 1000, memory=format_memory(pod.memory_bytes),
-        memory_bytes=pod.memory_bytes, env=pod.env, ports=pod.ports,
+        desired_state=pod.desired_state, gpus=pod.gpus, ports=pod.ports,
         restart=RestartPolicy(pod.restart_policy), job_id=pod.job_id, rank=pod.rank,
         priority_class=pod.priority_class, priority=pod.priority,
-        max_duration=pod.max_duration_seconds, created_at=pod.created_at,
-        updated_at=pod.updated_at, started_at=pod.started_at, finished_at=pod.finished_at,
+        max_duration=pod.max_duration_seconds, template=pod.template,
+        created_at=pod.created_at, updated_at=pod.updated_at, started_at=pod.started_at,
+        finished_at=pod.finished_at, **spec_out(pod), **_network_out(pod),
     )
 
 
-def ensure_known_gpu_type(ctx: ServiceContext, gpu_type: str | None) -> None:
-    """A requested model must be in the catalog or on some registered node (a query only
-    for models outside the catalog)."""
-    if gpu_type is None or lookup(gpu_type):
-        return
-    with ctx.db.transaction() as session:
-        for (gpus,) in session.execute(select(NodeModel.gpus)):
-            if any(gpu.get("model") == gpu_type for gpu in gpus):
-                return
-    raise InvalidInput("gpu_type", f"unknown GPU model {gpu_type!r}")
+def _network_out(pod: PodModel) -> dict[str, Any]:
+    """``ip`` and ``ports_runtime`` from what the agent reported (none before it ran)."""
+    network = pod.network or {}
+    return {"ip": network.get("ip"), "ports_runtime": network.get("ports", [])}
 
 
 def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest) -> PodOut:
-    """Record the intent (a Pending pod and its first event) in one transaction."""
+    """Record the intent (a Pending pod and its first event) in one transaction.
+
+    A pod from a template starts from the template's spec; the fields the request gives
+    override it. Names it refers to (template, registry credentials) are checked first.
+    """
+    request = templates.apply_template(ctx, caller, request)
+    check_spec(ctx, caller.project_id, request)
     now = ctx.clock.now()
     priority_class, priority = priorities.resolve_cached(ctx, request.priority_class)
     row = dict(
         id=new_id(), project_id=caller.project_id, name=request.name,
         phase=PodPhase.PENDING.value, reason="Created", message=None, desired_state="running",
-        image=request.image, command=request.command, env=request.env, ports=request.ports,
-        gpus=request.gpus, gpu_type=request.gpu_type, cpu_milli=request.cpu_milli,
-        memory_bytes=request.memory_bytes, restart_policy=request.restart.value, node_id=None,
-        gpu_uuids=[], gpu_milli={}, exit_code=None, attempt=0, restart_count=0,
+        ports=request.ports, gpus=request.gpus, restart_policy=request.restart.value,
+        node_id=None, gpu_uuids=[], gpu_milli={}, exit_code=None, attempt=0, restart_count=0,
         created_at=now, updated_at=now, version=0, priority_class=priority_class,
         priority=priority, max_duration_seconds=request.max_duration,
+        template=request.template, proxy_token=new_proxy_token(), **spec_columns(request),
     )
     pod = PodModel(**row)
-    ensure_known_gpu_type(ctx, request.gpu_type)
     # The API's hottest write is one INSERT, atomic on its own: the creation event is
     # derived from the row (see list_events), the unique index settles duplicate names.
     try:
@@ -130,7 +135,9 @@ def _node_name(session: Session, node_id: str | None) -> str | None:
 def get_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
     with ctx.db.read() as session:
         pod = _find(session, caller, ref)
-        return pod_out(pod, caller.project_name, _node_name(session, pod.node_id))
+        out = pod_out(pod, caller.project_name, _node_name(session, pod.node_id))
+        out.volume_node = _node_name(session, pod.volume_node_id)
+        return out
 
 
 def list_pods(ctx: ServiceContext, caller: Principal, phase: PodPhase | None = None,
@@ -202,14 +209,28 @@ def stop_pod(ctx: ServiceContext, caller: Principal, ref: str,
         return pod_out(pod, caller.project_name, _node_name(session, pod.node_id))
 
 
-def start_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
-    """Start a stopped or finished pod again: back to Pending, to be scheduled anew."""
+def start_pod(ctx: ServiceContext, caller: Principal, ref: str,
+              gpus: float | None = None, migrate: bool = False) -> PodOut:
+    """Start a stopped or finished pod again: back to Pending, to be scheduled anew (a pod
+    with a volume disk only on the node holding it). ``gpus`` changes its GPU count from
+    now on: 0 starts it without GPUs, for access to its volume (RunPod's zero-GPU pod).
+    ``migrate``: any node with room will do; the volume disk is copied there first
+    (services/migration)."""
     now = ctx.clock.now()
+    if gpus is not None:
+        try:
+            gpus = check_gpus(gpus)
+        except ValueError as error:
+            raise InvalidInput("gpus", str(error)) from None
     with ctx.db.transaction() as session:
         pod = _find(session, caller, ref)
         _not_a_member(pod)
         if PodPhase(pod.phase) not in TERMINAL_PHASES:
             raise Conflict(f"pod {pod.name!r} is {pod.phase}; only an ended pod can be started")
+        volumes.check_still_there(session, pod.project_id, pod.network_volumes)
+        migration.prepare_start(session, pod, migrate)
+        if gpus is not None:
+            pod.gpus = gpus
         requeue(session, pod, now, "StartedByUser")
         return pod_out(pod, caller.project_name, None)
 
@@ -226,6 +247,7 @@ def requeue(session: Session, pod: PodModel, now: datetime, reason: str,
     pod.exit_code = None
     pod.unschedulable = None
     pod.not_before = None
+    pod.network = None  # the next attempt gets its own address and ports
 
 
 def delete_pod(ctx: ServiceContext, caller: Principal, ref: str) -> None:
@@ -258,7 +280,27 @@ def why_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodWhyOut:
             summary = f"waiting to restart until {pod.not_before.isoformat()} (back-off)"
         else:
             summary = "waiting for the scheduler's next pass"
+        if phase is PodPhase.PENDING and pod.volume_node_id is not None:
+            summary = f"{_volume_note(session, pod.volume_node_id)}; {summary}"
+        elif phase is PodPhase.PENDING and pod.volume_source_node_id is not None:
+            summary = (f"its volume is copied from node "
+                       f"{_node_name(session, pod.volume_source_node_id)} to the node it gets; "
+                       f"{summary}")
         return PodWhyOut(pod=pod.name, phase=phase, summary=summary, reasons=reasons)
+
+
+def _volume_note(session: Session, node_id: str) -> str:
+    """Where a pending pod's volume disk is, and whether that node can take it now."""
+    node = session.get(NodeModel, node_id)
+    if node is None:
+        return "its volume's node is gone"
+    note = f"its volume is on node {node.name}"
+    if node.status != NodeStatus.READY.value:
+        return (f"{note}, which is {node.status}: the pod starts there when the node is back "
+                "(or delete the pod, which deletes the volume)")
+    if node.cordoned:
+        return f"{note}, which is cordoned"
+    return note
 
 
 def read_logs(ctx: ServiceContext, caller: Principal, ref: str, offset: int = 0,

@@ -256,7 +256,9 @@ def preempt_for_pods(ctx: ServiceContext, scheduler: Scheduler,
         pods = session.scalars(
             select(PodModel).where(PodModel.id.in_(pod_ids),
                                    PodModel.phase == PodPhase.PENDING.value,
-                                   PodModel.reason == "Unschedulable")
+                                   PodModel.reason == "Unschedulable",
+                                   # pinned to its volume's node: it waits for room there
+                                   PodModel.volume_node_id.is_(None))
             .order_by(PodModel.priority.desc(), PodModel.created_at)
             .limit(MAX_PREEMPTIONS_PER_PASS)).all()
         session.expunge_all()

@@ -32,7 +32,7 @@ from gpucloud.scheduler import (
 from gpucloud.scheduler.preemption import with_placements
 from gpucloud.scheduler.quota import Ledger, drf_capacity, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI
-from gpucloud.services import backfill, quotas, wakeups
+from gpucloud.services import backfill, migration, quotas, wakeups
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, record_events
 
@@ -83,6 +83,9 @@ class LeasedPod:
     nominated_gpu_milli: dict[str, int] | None
     nominated_until: datetime | None
     max_duration_seconds: float | None
+    volume_bytes: int | None = None
+    #: The name of the node holding the pod's volume disk: the only one it may go to.
+    volume_node: str | None = None
 
     def reservation(self, now: datetime) -> tuple[str, dict[str, int]] | None:
         """The node id and GPUs held for this pod by a preemption, while they are."""
@@ -96,7 +99,9 @@ _LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_ty
                    PodModel.cpu_milli, PodModel.memory_bytes, PodModel.unschedulable,
                    PodModel.project_id, PodModel.priority, PodModel.nominated_node_id,
                    PodModel.nominated_gpu_milli, PodModel.nominated_until,
-                   PodModel.max_duration_seconds)
+                   PodModel.max_duration_seconds, PodModel.volume_bytes,
+                   select(NodeModel.name).where(NodeModel.id == PodModel.volume_node_id)
+                   .scalar_subquery().label("volume_node"))
 
 
 def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
@@ -133,7 +138,8 @@ def pod_request(pod: LeasedPod) -> PodRequest:
     whole = int(pod.gpus) if pod.gpus >= 1 else 0
     share = round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0
     return PodRequest(key=pod.id, gpus=whole, gpu_milli=share, gpu_model=pod.gpu_type,
-                      cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes)
+                      cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes,
+                      required_node=pod.volume_node)
 
 
 def _usage(session: Session, now: datetime) -> Usage:
@@ -363,6 +369,7 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
             .values(phase=PodPhase.SCHEDULED.value, node_id=node.id,
                     gpu_uuids=[gpu_by_index[int(i)] for i in gpu_milli],
                     gpu_milli=gpu_milli, attempt=PodModel.attempt + 1, log_tail=None,
+                    volume_node_id=node.id if pod.volume_bytes is not None else None,
                     reason="Scheduled", message=f"bound to {node.name}", unschedulable=None,
                     updated_at=now,
                     nominated_node_id=None, nominated_gpu_milli=None, nominated_until=None,
@@ -372,6 +379,8 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
             session.rollback()
             return False
         node_versions[node.name] += 1
+        if pod.volume_bytes is not None:
+            migration.on_bind(session, pod.id, node.id)
         record_event(session, pod.id, now, "Scheduled", f"bound to {node.name}",
                      PodPhase.PENDING.value, PodPhase.SCHEDULED.value)
     return True

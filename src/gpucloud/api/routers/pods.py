@@ -5,7 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request, Response
 
 from gpucloud.api.deps import Caller, Ctx
-from gpucloud.core.models import PodCreateRequest, PodEventOut, PodLogsOut, PodOut, PodWhyOut
+from gpucloud.core.models import (
+    MAX_GPUS_PER_POD,
+    PodCreateRequest,
+    PodEventOut,
+    PodLogsOut,
+    PodOut,
+    PodWhyOut,
+)
 from gpucloud.core.phases import PodPhase
 from gpucloud.services import pods
 
@@ -61,8 +68,12 @@ def stop_pod(ref: str, ctx: Ctx, caller: Caller,
 
 
 @router.post("/{ref}/start")
-def start_pod(ref: str, ctx: Ctx, caller: Caller, request: Request) -> PodOut:
-    pod = pods.start_pod(ctx, caller, ref)
+def start_pod(ref: str, ctx: Ctx, caller: Caller, request: Request,
+              gpus: float | None = Query(default=None, ge=0, le=MAX_GPUS_PER_POD),
+              migrate: bool = False) -> PodOut:
+    """``gpus``: the GPU count from this start on (0: without GPUs, to reach the volume).
+    ``migrate``: start on any node with room, copying the volume disk there first."""
+    pod = pods.start_pod(ctx, caller, ref, gpus, migrate)
     _wake_scheduler(request)
     return pod
 

@@ -84,6 +84,29 @@ class NodeSelector:
         return [(LABELS_MISMATCH, bad)]
 
 
+def volume_on(node: str) -> str:
+    """The rejection reason of every node but the one holding the pod's volume."""
+    return f"its volume is on node {node}"
+
+
+class RequiredNode:
+    """Rejects every node but ``PodRequest.required_node``: a pod whose volume disk lives on
+    one node restarts there (its own reason, so `pod why` can say where)."""
+
+    name = "RequiredNode"
+
+    def __init__(self, _args: PluginArgs) -> None:
+        pass
+
+    def filter(self, cycle: Cycle, state: ClusterState, nodes: IntArray) -> Rejections:
+        required = cycle.pod.required_node
+        if required is None:
+            return []
+        names = state.names
+        bad = np.array([names[i] != required for i in nodes], np.bool_)
+        return [(volume_on(required), bad)]
+
+
 class CpuMemoryFit:
     """Rejects nodes without the free CPU or memory the pod requests."""
 

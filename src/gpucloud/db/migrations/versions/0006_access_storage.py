@@ -106,6 +106,10 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("volume_node_id", sa.String(length=32), nullable=True))
         batch_op.create_foreign_key("fk_pods_volume_node_id_nodes", "nodes",
                                     ["volume_node_id"], ["id"], ondelete="SET NULL")
+        batch_op.add_column(sa.Column("volume_source_node_id", sa.String(length=32),
+                                      nullable=True))
+        batch_op.create_foreign_key("fk_pods_volume_source_node_id_nodes", "nodes",
+                                    ["volume_source_node_id"], ["id"], ondelete="SET NULL")
     with op.batch_alter_table("jobs", schema=None) as batch_op:
         for column in _spec_columns():
             batch_op.add_column(column)
@@ -116,8 +120,10 @@ def downgrade() -> None:
         for column in _spec_columns():
             batch_op.drop_column(column.name)
     with op.batch_alter_table("pods", schema=None) as batch_op:
+        batch_op.drop_constraint("fk_pods_volume_source_node_id_nodes", type_="foreignkey")
         batch_op.drop_constraint("fk_pods_volume_node_id_nodes", type_="foreignkey")
-        for name in ("volume_node_id", "proxy_token", "network", "template"):
+        for name in ("volume_source_node_id", "volume_node_id", "proxy_token", "network",
+                     "template"):
             batch_op.drop_column(name)
         for column in _spec_columns():
             batch_op.drop_column(column.name)
