@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages: what the cloud needs to run pods, and what the tests need on top.
-RUN_PACKAGES := runc busybox-static iproute2 iptables
-TEST_PACKAGES := $(RUN_PACKAGES) postgresql docker-registry umoci skopeo fuse3 libfuse3-dev \
-	openssh-client openssh-server openssh-sftp-server
+RUN_PACKAGES := runc busybox-static iproute2 iptables fuse3
+TEST_PACKAGES := $(RUN_PACKAGES) postgresql docker-registry umoci skopeo libfuse3-dev criu \
+	stargz-snapshotter containerd \
+	openssh-client openssh-server openssh-sftp-server gcc libc6-dev
 
 .PHONY: up test lint typecheck unit bench clean
 

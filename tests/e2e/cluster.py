@@ -133,7 +133,7 @@ class Cloud:
 
     def agent(self, name: str, *, registries: dict[str, dict[str, str]] | None = None,
               simulate: str = "dgx-h100", start: bool = True,
-              address: str | None = None) -> AgentProcess:
+              address: str | None = None, extra: list[str] | None = None) -> AgentProcess:
         state_dir = self.workdir / name
         state_dir.mkdir(parents=True, exist_ok=True)
         if registries:
@@ -142,7 +142,7 @@ class Cloud:
         args = [sys.executable, "-m", "gpucloud.cli.agent", "--server", self.url,
                 "--join-token", token, "--name", name, "--state-dir", str(state_dir),
                 "--simulate", simulate, "--stop-grace", "1", "--poll-wait", "2",
-                *(["--address", address] if address else [])]
+                *(["--address", address] if address else []), *(extra or [])]
         agent = AgentProcess(name, state_dir, args)
         self.agents.append(agent)
         if start:
@@ -178,12 +178,17 @@ class Cloud:
 @contextmanager
 def running_cloud(workdir: Path, lease_ttl: float = LEASE_TTL,
                   preemption_grace: float | None = None,
-                  ssh_port: int | None = None) -> Iterator[Cloud]:
-    """A server on SQLite (short lease TTL and restart back-off); agents added on demand."""
-    settings = Settings(home=workdir / "home", database_url=f"sqlite:///{workdir / 'db.sqlite'}",
+                  ssh_port: int | None = None,
+                  database_url: str | None = None,
+                  **overrides: Any) -> Iterator[Cloud]:
+    """A server on SQLite (or ``database_url``; short lease TTL and restart back-off);
+    agents added on demand. ``overrides``: other ``Settings`` fields."""
+    settings = Settings(home=workdir / "home",
+                        database_url=database_url or f"sqlite:///{workdir / 'db.sqlite'}",
                         admin_key=ADMIN_KEY, lease_ttl_seconds=lease_ttl,
                         restart_backoff_seconds=0.2, restart_backoff_max_seconds=1.0,
-                        preemption_grace_seconds=preemption_grace, ssh_port=ssh_port)
+                        preemption_grace_seconds=preemption_grace, ssh_port=ssh_port,
+                        **overrides)
     server = ServerThread(settings, free_port())
     server.start()
     cloud = Cloud(server.url, GpucloudClient(server.url, ADMIN_KEY), workdir, server)

@@ -10,16 +10,14 @@ from pathlib import Path
 from gpucloud.access.keys import CLIENT_KEY_FILE
 from tests.e2e.cluster import Cloud
 from tests.e2e.conftest import PushedImages
+from tests.fixtures.openssh import keygen, unpinned_options
 
 
 def ssh(endpoint: str, key: Path, user: str, command: str) -> subprocess.CompletedProcess[str]:
     host, _, port = endpoint.rpartition(":")
     return subprocess.run(
-        ["ssh", "-F", "/dev/null", "-i", str(key), "-o", "IdentitiesOnly=yes",
-         "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
-         "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-p", port,
-         f"{user}@{host}", "--", command], capture_output=True, text=True, timeout=30,
-        check=False)
+        ["ssh", *unpinned_options(key), "-p", port, f"{user}@{host}", "--", command],
+        capture_output=True, text=True, timeout=30, check=False)
 
 
 def test_the_agent_lets_the_gateway_key_into_its_running_pod(
@@ -38,7 +36,6 @@ def test_the_agent_lets_the_gateway_key_into_its_running_pod(
     assert result.returncode == 4, result.stderr
     assert result.stdout.startswith("in ")
 
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
-                    str(tmp_path / "user")], check=True)
+    keygen(tmp_path / "user")
     refused = ssh(node.access_endpoint, tmp_path / "user", pod.id, "true")
     assert refused.returncode == 255 and "Permission denied" in refused.stderr

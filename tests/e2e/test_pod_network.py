@@ -4,7 +4,6 @@ address and ports, and two members of a job on different agents talk over TCP.""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,22 +13,10 @@ from gpucloud.core.jobs import JobOut
 from gpucloud.core.models import PodOut
 from tests.e2e.cluster import ADMIN_KEY, Cloud, wait_for
 from tests.e2e.conftest import PushedImages
+from tests.fixtures.http import http_get
 
 SERVE = ("mkdir -p /srv && echo \"$HOSTNAME $GPUCLOUD_POD_IP $RUNPOD_PUBLIC_IP "
          "$RUNPOD_TCP_PORT_8000\" > /srv/index.html && exec httpd -f -p 8000 -h /srv")
-
-
-def http_get(host: str, port: int) -> str | None:
-    try:
-        with socket.create_connection((host, port), timeout=5) as sock:
-            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
-    except OSError:
-        return None
-    head, _, body = data.partition(b"\r\n\r\n")
-    return body.decode().strip() if head.startswith(b"HTTP/1.") else None
 
 
 def networked(cloud: Cloud, name: str) -> PodOut:

@@ -26,21 +26,20 @@ from asyncssh.misc import TermModes, TermSize
 
 from gpucloud.access import keys, upstream
 from gpucloud.core.errors import GpucloudError
+from gpucloud.core.sshutil import PublicKeyOnlyServer, env_passes
+from gpucloud.services import auth_guard
 from gpucloud.services.access import PodTarget, pod_target, ssh_login
 from gpucloud.services.context import ServiceContext
 
 log = logging.getLogger(__name__)
-#: Environment variables a client may pass through (as OpenSSH's default AcceptEnv).
-_PASSED_ENV_PREFIXES = ("LC_",)
-_PASSED_ENV = {"TERM", "LANG", "COLORTERM"}
 LOGIN_TIMEOUT_SECONDS = 60
 KEEPALIVE_SECONDS = 30
 _CHANNEL_WINDOW = 8 * 1024 * 1024
 
 
 def _passed_env(env: Mapping[str, str]) -> dict[bytes | str, bytes | str]:
-    return {k: v for k, v in env.items()
-            if k in _PASSED_ENV or k.startswith(_PASSED_ENV_PREFIXES)}
+    """What the agent passes on anyway: sending the rest would only be dropped there."""
+    return {k: v for k, v in env.items() if env_passes(k)}
 
 
 def _quietly(action: Callable[[], object]) -> None:
@@ -234,7 +233,7 @@ class _GatewaySession(asyncssh.SSHServerSession[bytes]):
             self._up.close()
 
 
-class GatewayServer(asyncssh.SSHServer):
+class GatewayServer(PublicKeyOnlyServer):
     """One user connection: public-key auth against the project's keys, then channels."""
 
     def __init__(self, ctx: ServiceContext) -> None:
@@ -245,25 +244,22 @@ class GatewayServer(asyncssh.SSHServer):
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self._conn = conn
 
-    def begin_auth(self, username: str) -> bool:
-        del username
-        return True
-
-    def password_auth_supported(self) -> bool:
-        return False
-
-    def kbdint_auth_supported(self) -> bool:
-        return False
-
-    def public_key_auth_supported(self) -> bool:
-        return True
-
     async def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
         """Whether this key may log in as ``username``; the last key checked is the one a
         successful login used (asyncssh checks one key at a time, signature last)."""
+        limits = [f"ssh:{self._peer()}"]
+        if auth_guard.blocked(self._ctx, limits):  # too many refused keys: refuse them all
+            self._login = None
+            return False
         fingerprint = key.get_fingerprint("sha256")
         self._login = await asyncio.to_thread(ssh_login, self._ctx, username, fingerprint)
+        if self._login is None:
+            auth_guard.failed(self._ctx, limits)
         return self._login is not None
+
+    def _peer(self) -> str:
+        peer = self._conn.get_extra_info("peername") if self._conn is not None else None
+        return str(peer[0]) if peer else "unknown"
 
     def session_requested(self) -> _GatewaySession | bool:
         if self._login is None:

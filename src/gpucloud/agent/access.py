@@ -52,6 +52,7 @@ from gpucloud.agent.connection import AgentFailure
 from gpucloud.agent.migration import VolumeExports, exported_pod, serve_export
 from gpucloud.agent.podworker import parse_container_id
 from gpucloud.core.errors import GpucloudError
+from gpucloud.core.sshutil import PublicKeyOnlyServer, env_passes, load_or_create_key
 from gpucloud.runtime.driver import ContainerState, RuncDriver
 from gpucloud.runtime.layout import read_json
 
@@ -65,8 +66,6 @@ DRAIN_SECONDS = 1.0
 #: After the process inside is killed, how long runc gets to notice before it is killed too.
 KILL_GRACE_SECONDS = 2.0
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
-PASSED_ENV_PREFIXES = ("LC_",)
-PASSED_ENV = ("TERM", "LANG")
 SHELL = ("/bin/sh", "-c",
          "if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi")
 
@@ -102,23 +101,6 @@ def running_container(driver: RuncDriver, container_ids: Iterable[str],
 
 
 # -- keys ----------------------------------------------------------------------------------
-
-def load_host_key(path: Path) -> asyncssh.SSHKey:
-    """The ed25519 host key at ``path``, made (mode 0600) the first time."""
-    try:
-        return asyncssh.read_private_key(str(path))
-    except FileNotFoundError:
-        pass
-    key = asyncssh.generate_private_key("ssh-ed25519")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another start made it meanwhile
-        return asyncssh.read_private_key(str(path))
-    with os.fdopen(fd, "wb") as file:
-        file.write(key.export_private_key("openssh"))
-    return key
-
 
 def parse_gateway_keys(lines: Iterable[str]) -> frozenset[bytes]:
     """The public key blobs of OpenSSH key lines; lines that do not parse are skipped."""
@@ -184,8 +166,7 @@ def sftp_command(driver: RuncDriver, target: PodContainer, python: str) -> list[
 
 def passed_env(requested: dict[str, str], term_type: str | None) -> dict[str, str]:
     """The client's environment that reaches the process: TERM, LANG and LC_*."""
-    env = {key: value for key, value in requested.items()
-           if key in PASSED_ENV or key.startswith(PASSED_ENV_PREFIXES)}
+    env = {key: value for key, value in requested.items() if env_passes(key)}
     if term_type:
         env["TERM"] = term_type
     return env
@@ -596,7 +577,7 @@ _Handler = Callable[[asyncssh.SSHReader[bytes], asyncssh.SSHWriter[bytes],
                      asyncssh.SSHWriter[bytes]], Awaitable[None]]
 
 
-class _GatewayConnection(asyncssh.SSHServer):
+class _GatewayConnection(PublicKeyOnlyServer):
     """One SSH connection from a gateway, for one pod (its user name)."""
 
     def __init__(self, access: AccessServer) -> None:
@@ -611,19 +592,6 @@ class _GatewayConnection(asyncssh.SSHServer):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.conn is not None:
             self.access.connections.discard(self.conn)
-
-    @override
-    def begin_auth(self, username: str) -> bool:
-        return True
-
-    def password_auth_supported(self) -> bool:
-        return False
-
-    def kbdint_auth_supported(self) -> bool:
-        return False
-
-    def public_key_auth_supported(self) -> bool:
-        return True
 
     async def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
         exported = exported_pod(username)
@@ -698,7 +666,7 @@ class AccessServer:
         self.host = host
         self.port = port
         self.python = python
-        self.host_key = load_host_key(host_key_path)
+        self.host_key = load_or_create_key(host_key_path)
         #: The last gateway keys, kept for a start that resumes with the saved node token
         #: (no registration response then).
         self.keys_path = keys_path

@@ -24,15 +24,22 @@ from gpucloud.agent.config import AgentConfig
 from gpucloud.agent.connection import AgentFailure, AgentStopped, Connection, is_transient
 from gpucloud.agent.hardware import NodeDevices, prepare_devices, registration
 from gpucloud.agent.identity import IdentityFile
+from gpucloud.agent.metrics import AgentMetrics, JobMapping, ObservedSampler
 from gpucloud.agent.migration import VolumeExports, VolumeReceiver
 from gpucloud.agent.plan import plan
 from gpucloud.agent.podnetwork import node_network
 from gpucloud.agent.podworker import NodeRuntime, PodWorker, container_id
+from gpucloud.agent.usage import Target, UsageReporter
+from gpucloud.agent.usage_spool import UsageSpool
 from gpucloud.agent.volumes import VolumeStore, default_volume_mode
 from gpucloud.core.errors import GpucloudError, Unauthorized
 from gpucloud.core.models import AssignmentOut, NodeRegisterResponse
+from gpucloud.gpu.usage import gpu_usage
 from gpucloud.images import Credentials, ImageManager
-from gpucloud.runtime.driver import RuncDriver
+from gpucloud.images.lazy.mounter import node_lazyfs
+from gpucloud.runtime import criu
+from gpucloud.runtime.driver import ContainerState, RuncDriver
+from gpucloud.runtime.layout import read_json
 
 log = logging.getLogger(__name__)
 FINISHED_MEMORY_SECONDS = 600.0
@@ -70,6 +77,10 @@ class Agent:
         volume_mode = config.volume_mode or default_volume_mode(config.server)
         body.volume_mode = volume_mode
         body.network_mode = config.network_mode
+        # A real dump-and-restore canary decides transparent checkpoints (runtime/criu).
+        body.capabilities = criu.probe(config.state_dir, runc=config.runc)
+        if not body.capabilities.criu:
+            log.info("transparent checkpoints unavailable: %s", body.capabilities.criu_reason)
         self.conn = Connection(config.server, body, IdentityFile(config.state_dir),
                                self.stop_event, transport, on_registered=self._registered)
         self.driver = RuncDriver(config.state_dir, runc=config.runc)
@@ -81,7 +92,8 @@ class Agent:
             keys_path=config.state_dir / "gateway_keys", exports=self.exports)
         body.access_host_key = self.access.host_public_key
         self.images = ImageManager(config.state_dir,
-                                   credentials=registry_logins(config.state_dir))
+                                   credentials=registry_logins(config.state_dir),
+                                   lazy=node_lazyfs(config.state_dir))
         self.network = node_network(config.state_dir, mode=config.network_mode,
                                     pod_cidr=config.pod_cidr, address=config.address,
                                     port_range=config.port_range)
@@ -94,9 +106,21 @@ class Agent:
             disk_check_interval=config.disk_check_interval_seconds,
             network=self.network,
             migrator=VolumeReceiver(self.conn, self.access.host_key, config.state_dir),
+            metrics=AgentMetrics(config.name),
         )
         self.workers: dict[str, PodWorker] = {}
         self.finished: dict[str, float] = {}
+        self.metrics = self.runtime.metrics
+        #: The port ``/metrics`` is served on once running (None: not served).
+        self.metrics_port: int | None = None
+        self.job_mapping = (JobMapping(config.hpc_job_mapping_dir)
+                            if config.hpc_job_mapping_dir is not None else None)
+        self.usage = UsageReporter(
+            self.conn, UsageSpool(config.state_dir / "usage"),
+            ObservedSampler(self.metrics, gpu_usage(self.devices.hardware.provider),
+                            disk_interval=config.disk_check_interval_seconds),
+            self._usage_targets, config.usage_interval_seconds, self.stop_event,
+            self._container_ids)
         self.revision: int | None = None
         self.error: GpucloudError | None = None
 
@@ -112,12 +136,17 @@ class Agent:
         try:
             # Before registering: the registration carries the access server's endpoint.
             self.registration.access_endpoint = self.access.start()
+            if self.config.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(self.config.metrics_host,
+                                                       self.config.metrics_port)
             self.conn.connect()
             threads = [
                 threading.Thread(target=self._guard, args=(self._lease_loop,), name="lease",
                                  daemon=True),
                 threading.Thread(target=self._guard, args=(self._poll_loop,),
                                  name="assignments", daemon=True),
+                threading.Thread(target=self._guard, args=(self.usage.run,), name="usage",
+                                 daemon=True),
             ]
             for thread in threads:
                 thread.start()
@@ -130,6 +159,7 @@ class Agent:
         finally:
             self.stop_event.set()
             self.access.stop()  # pod sessions end; the pods keep running
+            self.metrics.close()
             self.network.close()  # public ports close; pods and their namespaces stay
             if not self._join(threads):
                 self.images.close()
@@ -174,6 +204,44 @@ class Agent:
                 thread.join(max(0.0, deadline - time.monotonic()) if thread.name != "assignments"
                             else 0.05)
         return any(t.is_alive() for t in [*threads, *(w.thread for w in self.workers.values())])
+
+    # -- usage --------------------------------------------------------------------------
+
+    def _usage_targets(self) -> list[Target]:
+        """The running containers of this agent's workers (called on the usage thread:
+        ``list`` copies the workers at once while the poll thread may change them)."""
+        targets = []
+        for cid, worker in list(self.workers.items()):
+            assignment = worker.current
+            if assignment is None or not worker.alive:
+                continue
+            try:
+                status = self.driver.status(cid)
+                gpus = self.devices.gpus(assignment.gpu_uuids)
+            except GpucloudError:
+                continue
+            if status.state is not ContainerState.RUNNING or status.pid is None:
+                continue
+            volumes = self.runtime.volumes
+            targets.append(Target(
+                cid=cid, pod_id=assignment.pod_id, attempt=assignment.attempt,
+                pid=status.pid, gpus=gpus, env=assignment.env,
+                exclusive_gpus=assignment.gpu_milli == 0, own_netns=self._own_netns(cid),
+                volume_dir=(volumes.disk(assignment.pod_id)
+                            if volumes is not None and assignment.volume_bytes else None)))
+        self.metrics.usage.keep({t.cid for t in targets})
+        if self.job_mapping is not None:
+            self.job_mapping.write(targets)
+        return targets
+
+    def _own_netns(self, cid: str) -> bool:
+        """Whether the container has its own network namespace (``network.json``)."""
+        data = read_json(self.network.path(cid)) if self.network is not None else None
+        return isinstance(data, dict) and not data.get("host_network") and bool(
+            data.get("netns"))
+
+    def _container_ids(self) -> set[str]:
+        return {p.name for p in self.driver.containers_dir.iterdir() if p.is_dir()}
 
     # -- the lease ----------------------------------------------------------------------
 

@@ -73,6 +73,13 @@ class AgentConfig:
     #: ``address`` (else 127.0.0.1), and port, 0 for any free one.
     access_host: str | None = None
     access_port: int = 0
+    #: How often each running pod's usage is sampled (agent/usage).
+    usage_interval_seconds: float = 5.0
+    #: Prometheus ``/metrics`` of this agent (agent/metrics): port (None: not served,
+    #: 0: any free one) and address; dcgm-exporter job-mapping folder (None: not written).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    hpc_job_mapping_dir: Path | None = None
 
     def __post_init__(self) -> None:
         check_dns_label("name", self.name)

@@ -59,9 +59,11 @@ class LogShipper:
 
         ``final``: the container has ended, so a trailing partial character is sent too.
         """
-        if self.offsets is None and not self._sync():
-            return False
-        assert self.offsets is not None
+        if self.offsets is None:
+            # Where the server's copy ended when last acknowledged (zero for a new
+            # container). No round trip to ask: the server answers every chunk with its
+            # end, and ``_send`` realigns on a difference (a restart's lost ack).
+            self.offsets = self._load()
         while True:
             chunk = read_from(self.log_path, self.offsets.file, CHUNK_BYTES)
             used = len(chunk.data) if final else complete_utf8_prefix(chunk.data)
@@ -72,15 +74,6 @@ class LogShipper:
 
     def forget(self) -> None:
         self.record.unlink(missing_ok=True)
-
-    def _sync(self) -> bool:
-        """Learn where the server's copy ends (an empty chunk stores nothing, returns it)."""
-        end = self._post(0, "")
-        if end is None:
-            return False
-        self.offsets = self._load()
-        self._align(end)
-        return True
 
     def _send(self, text: str, raw_bytes: int) -> bool:
         assert self.offsets is not None

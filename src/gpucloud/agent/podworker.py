@@ -19,21 +19,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpucloud.agent import checkpoints
+from gpucloud.agent.checkpoint_timer import CheckpointTimer
 from gpucloud.agent.connection import AgentStopped, Connection
 from gpucloud.agent.hardware import NodeDevices
 from gpucloud.agent.logship import LogShipper
+from gpucloud.agent.metrics import AgentMetrics
 from gpucloud.agent.migration import VolumeReceiver
 from gpucloud.agent.podnetwork import NodeNetwork, PodNet
+from gpucloud.agent.preempt import PREEMPT_FILE_VAR, NoticeState
 from gpucloud.agent.volumes import DiskLimit, VolumeStore
 from gpucloud.client.sdk import AgentClient
+from gpucloud.core.capabilities import CHECKPOINT_TRANSPARENT
 from gpucloud.core.errors import GpucloudError
 from gpucloud.core.jobs import AgentPodReadyRequest
 from gpucloud.core.models import AgentPodStatusRequest, AssignmentOut
 from gpucloud.core.phases import PodPhase
 from gpucloud.core.quantities import format_memory
+from gpucloud.core.spot import NOTICE_PATH, StopReason
 from gpucloud.gpu.cdi import CdiError
 from gpucloud.gpu.domain import GpuDevice
 from gpucloud.images import ImageError, ImageManager
@@ -80,6 +86,8 @@ class NodeRuntime:
     network: NodeNetwork | None = None
     #: Fetches a migrating pod's volume disk from its source node (agent/migration).
     migrator: VolumeReceiver | None = None
+    #: Pull and start durations, usage gauges (agent/metrics).
+    metrics: AgentMetrics = field(default_factory=lambda: AgentMetrics(""))
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,9 @@ def outcome_of(status: ContainerStatus, memory_bytes: int) -> Outcome:
         limit = format_memory(memory_bytes) if memory_bytes else "its limit"
         return Outcome(PodPhase.FAILED, info.exit_code, "OOMKilled",
                        f"the container used more memory than its limit ({limit}) and was killed")
+    if info.checkpointed:
+        return Outcome(PodPhase.STOPPED, None, "Checkpointed",
+                       "dumped with runc checkpoint (CRIU); its next start restores it")
     if info.stop_requested:
         how = "killed after its grace period" if info.killed_after_grace else "ended on SIGTERM"
         return Outcome(PodPhase.STOPPED, info.exit_code, "Stopped", f"stopped by request; {how}")
@@ -127,6 +138,11 @@ def outcome_of(status: ContainerStatus, memory_bytes: int) -> Outcome:
         return Outcome(PodPhase.SUCCEEDED, 0, "Completed")
     message = f"killed by signal {info.signal}" if info.signal else None
     return Outcome(PodPhase.FAILED, info.exit_code, None, message)
+
+
+def _transparent(assignment: AssignmentOut) -> bool:
+    """``--checkpoint transparent``: the node dumps the container (runc/CRIU)."""
+    return assignment.checkpoint_mode == CHECKPOINT_TRANSPARENT
 
 
 def pull_credentials(assignment: AssignmentOut) -> Credentials | None:
@@ -151,7 +167,8 @@ def container_spec(assignment: AssignmentOut, gpus: tuple[GpuDevice, ...],
         hostname=assignment.name,
         command=tuple(assignment.command) if assignment.command else None,
         entrypoint=None if assignment.entrypoint is None else tuple(assignment.entrypoint),
-        env={**assignment.env, **(net.env(assignment.pod_id) if net else {})},
+        env={PREEMPT_FILE_VAR: NOTICE_PATH, **assignment.env,
+             **(net.env(assignment.pod_id) if net else {})},
         cpu_milli=assignment.cpu_milli,
         memory_bytes=assignment.memory_bytes, gpus=gpus,
         host_network=net.host_network if net else assignment.host_network,
@@ -176,7 +193,17 @@ class PodWorker:
         self._net: PodNet | None = None
         self._stop_wanted = assignment is not None and assignment.desired_state == "stopped"
         self.reported: PodPhase | None = assignment.phase if assignment else None
+        #: A phase report still in flight on its own thread (``_advance(background=True)``)
+        #: and its phase; every later report waits for it, so the server sees them in order.
+        self._in_flight: tuple[threading.Thread, PodPhase] | None = None
         self.completed = False
+        #: The preemption notice of this attempt (agent/preempt); a checkpoint committed
+        #: after it (``self.checkpoints``) acknowledges it.
+        self.notice = NoticeState()
+        #: The periodic checkpoint request (``request_now``: a drain's, at once).
+        self.checkpoint_timer = CheckpointTimer()
+        #: Uploads the pod's checkpoint directory on each commit (None: it has none).
+        self.checkpoints: checkpoints.CheckpointWatcher | None = None
         self.thread = threading.Thread(target=self._main, name=f"pod-{cid[:16]}", daemon=True)
 
     # -- control, from the agent's reconcile loop ---------------------------------------
@@ -193,6 +220,12 @@ class PodWorker:
         with self._lock:
             assert self._assignment is not None
             return self._assignment
+
+    @property
+    def current(self) -> AssignmentOut | None:
+        """The assignment, None for a worker that only reaps (read from other threads)."""
+        with self._lock:
+            return None if self._abandoned else self._assignment
 
     def update(self, assignment: AssignmentOut) -> None:
         with self._lock:
@@ -253,7 +286,11 @@ class PodWorker:
         if self._stop_wanted:
             self._finish(NOT_STARTED)
             return None
-        self._advance(PodPhase.PULLING, "Pulling", f"pulling image {assignment.image}")
+        # In the background: the pull and the container's start need not wait for the
+        # server's acknowledgement (a cached image's start is milliseconds).
+        self._advance(PodPhase.PULLING, "Pulling", f"pulling image {assignment.image}",
+                      background=True)
+        launched = time.monotonic()
         try:
             status = self._create(assignment)
         except ImageError as error:
@@ -270,12 +307,16 @@ class PodWorker:
         if self._gated(status):
             status = self._pass_barrier()
         if status.state is not ContainerState.CREATING:
-            self._advance(PodPhase.RUNNING, "Started", None)
+            # The log's first chunk ships while the server takes this (see _watch).
+            self._advance(PodPhase.RUNNING, "Started", None, background=True)
+            self.node.metrics.start_seconds.observe(time.monotonic() - launched)
         return status
 
     def _create(self, assignment: AssignmentOut) -> ContainerStatus | None:
+        pulling = time.monotonic()
         image = self.node.images.pull(assignment.image,
                                       credentials=pull_credentials(assignment))
+        self.node.metrics.pull_seconds.observe(time.monotonic() - pulling)
         if self._abandoned or self._stop_wanted:
             self._cleanup()
             if not self._abandoned:
@@ -290,9 +331,16 @@ class PodWorker:
         binds = self.node.volumes.binds(assignment) if self.node.volumes else ()
         if self.node.network is not None:
             self._net = self.node.network.attach(self.cid, assignment)
-        spec = container_spec(assignment, gpus, self.node.node_name, binds, self._net)
+        kept, kept_env = checkpoints.binds_and_env(self.node.state_dir, assignment)
+        spec = container_spec(assignment, gpus, self.node.node_name, binds + kept, self._net)
+        spec = replace(spec, env={**spec.env, **kept_env})
         edits = self.node.devices.edits(gpus)
         driver.build(spec, rootfs, runtime_image_config(image.config), edits)
+        checkpoints.install_tool(driver.paths(self.cid).run_dir)
+        if _transparent(assignment):  # dumpable (stdio on pipes), restored from its dump
+            return driver.start(self.cid, pipe_log=True,
+                                restore_from=self._restore_dump(assignment))
+        self._restore_checkpoint(assignment)
         return driver.create(self.cid) if assignment.barrier else driver.start(self.cid)
 
     # -- the start barrier of a job's members -------------------------------------------
@@ -315,6 +363,7 @@ class PodWorker:
         return self.node.driver.release(self.cid)
 
     def _report_ready(self) -> None:
+        self._await_in_flight()  # after the phase reports, never ahead of them
         assignment = self.assignment
 
         def send(client: AgentClient, token: int) -> None:
@@ -329,6 +378,25 @@ class PodWorker:
         asked = self.assignment.stop_grace_seconds if self.assignment else None
         return self.node.grace_seconds if asked is None else asked
 
+    def _give_notice(self) -> bool:
+        """Write the notice file when the server's stop carries a notice for this attempt;
+        True then (SIGTERM goes to the container's whole process group)."""
+        notice = self.assignment.stop_notice if not self._abandoned else None
+        if notice is None or notice.attempt != self.assignment.attempt:
+            return False
+        if notice.reason is StopReason.DRAIN and self.assignment.checkpoint_signal is not None \
+                and not _transparent(self.assignment):
+            # A drain asks for a checkpoint first (the periodic request's signal, at once),
+            # then gives the notice: a program that checkpoints only on its request starts
+            # saving its state before SIGTERM (a transparent pod is dumped on the notice).
+            self.checkpoint_timer.request_now()
+            self._checkpoint_request()
+        try:
+            self.notice.give(self.node.driver.paths(self.cid).run_dir, notice)
+        except OSError as error:
+            log.warning("pod %s: writing its preemption notice: %s", self.cid, error)
+        return True
+
     def _fail_launch(self, reason: str, message: str) -> None:
         self._cleanup()
         self._finish(Outcome(PodPhase.FAILED, None, reason, message))
@@ -342,6 +410,7 @@ class PodWorker:
         signalled = False
         full: Outcome | None = None
         disks = self._disk_limits()
+        self._watch_checkpoints()
         while status.state in _LIVE:
             if self.node.stop.is_set():
                 raise AgentStopped
@@ -349,12 +418,23 @@ class PodWorker:
                 full = self._over_size(disks)
             if not signalled and (self._abandoned or self._stop_wanted or full):
                 grace = 0.0 if self._abandoned else self._stop_grace()
-                self.node.driver.stop(self.cid, grace)
+                noticed = self._give_notice()
+                if not (noticed and self._dump_on_notice()):
+                    self.node.driver.stop(self.cid, grace, group=noticed)
                 signalled = True
+            elif signalled and self.notice.newly_acknowledged(self.checkpoints):
+                log.info("pod %s acknowledged its notice: stopping it now", self.cid)
+                self.node.driver.stop(self.cid, 0.0, group=True)
+            if not signalled and status.state is ContainerState.RUNNING:
+                self._checkpoint_request()
             shipper.ship()
             self._wake.wait(self.node.watch_interval)
             self._wake.clear()
             status = self.node.driver.status(self.cid)
+        if self.checkpoints is not None:
+            self.checkpoints.stop()
+            if not self._abandoned:
+                self.checkpoints.flush()  # a commit the program asked for before it ended
         if not self._abandoned:
             shipper.ship(final=True)
             outcome = outcome_of(status, self.assignment.memory_bytes)
@@ -363,6 +443,90 @@ class PodWorker:
             self._finish(outcome, self._log_tail())
         self._cleanup()
         shipper.forget()
+
+    def _pod_checkpoints(self) -> checkpoints.PodCheckpoints | None:
+        assignment = self.assignment
+        if assignment.checkpoint_key is None:
+            return None
+        return checkpoints.PodCheckpoints(
+            self.node.conn, assignment,
+            checkpoints.host_dir(self.node.state_dir, assignment.checkpoint_key))
+
+    def _restore_checkpoint(self, assignment: AssignmentOut) -> None:
+        """The latest good checkpoint into the directory, before the command starts."""
+        pod = self._pod_checkpoints()
+        if pod is None or assignment.restore_checkpoint is None:
+            return
+        try:
+            restored = pod.restore()
+        except (checkpoints.CheckpointFailed, OSError) as error:
+            raise RuntimeFailure(f"restoring the checkpoint directory: {error}") from None
+        log.info("pod %s: restored checkpoint %s", assignment.name,
+                 restored.id if restored else "(none usable)")
+
+    def _restore_dump(self, assignment: AssignmentOut) -> Path | None:
+        """A transparent pod's latest good dump, fetched (every chunk verified) into its
+        dump directory: what ``runc restore`` starts it from; None: start afresh."""
+        pod = self._pod_checkpoints()
+        if pod is None or assignment.restore_checkpoint is None:
+            return None
+        try:
+            restored = pod.restore()
+        except (checkpoints.CheckpointFailed, OSError) as error:
+            raise RuntimeFailure(f"restoring the transparent checkpoint: {error}") from None
+        log.info("pod %s: restoring from dump %s", assignment.name,
+                 restored.id if restored else "(none usable: starting afresh)")
+        return pod.directory if restored is not None else None
+
+    def _dump_on_notice(self) -> bool:
+        """A transparent pod given notice: dumped (it ends) and the dump uploaded. False
+        when it could not be dumped: then it gets SIGTERM and its grace as any other."""
+        return _transparent(self.assignment) and self._dump(leave_running=False)
+
+    def _dump(self, *, leave_running: bool) -> bool:
+        """``runc checkpoint`` the container into its dump directory and upload that like
+        a checkpoint directory (δ: from the dump's start to the committed manifest).
+        Whether the dump was taken; an upload that fails is logged (the previous
+        committed dump stays the one restored)."""
+        pod = self._pod_checkpoints()
+        if pod is None:
+            return False
+        started = time.time()
+        try:
+            self.node.driver.dump(self.cid, pod.directory, leave_running=leave_running)
+        except (RuntimeFailure, OSError) as error:
+            log.warning("pod %s: transparent checkpoint failed: %s", self.cid, error)
+            return False
+        try:
+            committed = pod.upload(started)
+        except (checkpoints.CheckpointFailed, OSError) as error:
+            log.warning("pod %s: uploading its dump failed: %s", self.cid, error)
+            return True
+        log.info("pod %s: dump %s committed (%d bytes, %d sent)", self.cid, committed.id,
+                 committed.size_bytes, committed.bytes_sent)
+        return True
+
+    def _watch_checkpoints(self) -> None:
+        pod = self._pod_checkpoints()
+        if _transparent(self.assignment):
+            return  # no commit markers: the agent dumps it (``_dump``)
+        if pod is not None and self.checkpoints is None:
+            self.checkpoints = checkpoints.CheckpointWatcher(
+                pod, self.node.watch_interval, self.node.stop).start()
+
+    def _checkpoint_request(self) -> None:
+        """Send the pod its checkpoint signal when the timer says it is due."""
+        assignment = self.assignment
+        if not self.checkpoint_timer.due(assignment.checkpoint_interval_seconds):
+            return
+        if _transparent(assignment):
+            self._dump(leave_running=True)  # in this loop: one dump at a time, in order
+        elif assignment.checkpoint_signal is not None:
+            try:
+                self.node.driver.signal(self.cid, assignment.checkpoint_signal)
+            except GpucloudError as error:
+                log.warning("pod %s: checkpoint request: %s", assignment.name, error.message)
+        self.checkpoint_timer.mark_sent()
 
     def _disk_limits(self) -> list[tuple[DiskLimit, list[float]]]:
         """The pod's sized disks, each with the monotonic time of its next check."""
@@ -400,12 +564,38 @@ class PodWorker:
 
     # -- reporting ----------------------------------------------------------------------
 
-    def _advance(self, phase: PodPhase, reason: str | None, message: str | None) -> None:
-        """Report ``phase`` unless the server already has it (or is past it)."""
+    def _advance(self, phase: PodPhase, reason: str | None, message: str | None, *,
+                 background: bool = False) -> None:
+        """Report ``phase`` unless the server already has it (or is past it, or a report
+        of it is in flight). ``background``: on a thread of its own, the worker goes on."""
         order = [PodPhase.SCHEDULED, PodPhase.PULLING, PodPhase.RUNNING]
-        if self.reported in order and order.index(self.reported) >= order.index(phase):
+        known = self._in_flight[1] if self._in_flight else self.reported
+        if known in order and order.index(known) >= order.index(phase):
             return
-        self._report(Outcome(phase, None, reason, message))
+        outcome = Outcome(phase, None, reason, message)
+        if not background:
+            self._report(outcome)
+            return
+        self._await_in_flight()
+        thread = threading.Thread(target=self._report_quietly, args=(outcome,), daemon=True,
+                                  name=f"report-{self.cid[:16]}")
+        self._in_flight = (thread, phase)
+        thread.start()
+
+    def _report_quietly(self, outcome: Outcome) -> None:
+        try:
+            self._report(outcome)
+        except AgentStopped:
+            pass  # the agent is stopping: the next agent reports from what it finds
+        except Exception:  # a bug must not take the agent down; the log says where
+            log.exception("reporting %s of container %s failed", outcome.phase, self.cid)
+
+    def _await_in_flight(self) -> None:
+        """Wait for a background report (from the worker's thread; it is not reentrant)."""
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight[0] is not threading.current_thread():
+            in_flight[0].join()
+            self._in_flight = None
 
     def _finish(self, outcome: Outcome, log_tail: str | None = None) -> None:
         self._report(outcome, log_tail)
@@ -413,6 +603,7 @@ class PodWorker:
                  outcome.phase, outcome.reason or "", outcome.message or "")
 
     def _report(self, outcome: Outcome, log_tail: str | None = None) -> None:
+        self._await_in_flight()
         assignment = self.assignment
 
         def send(client: AgentClient, token: int) -> str:

@@ -14,14 +14,19 @@ from fastapi import FastAPI
 from gpucloud import __version__
 from gpucloud.access import gateway
 from gpucloud.access.proxy import ProxyMiddleware
-from gpucloud.api import errors
+from gpucloud.api import errors, openapi
+from gpucloud.api import metrics as metrics_routes
+from gpucloud.api.limits import BodyLimitMiddleware
 from gpucloud.api.routers import access as access_routes
 from gpucloud.api.routers import agent, jobs, nodes, pods, policy, projects
+from gpucloud.api.routers import billing as billing_routes
+from gpucloud.api.routers import checkpoints as checkpoint_routes
 from gpucloud.api.routers import registry_auths as registry_auth_routes
 from gpucloud.api.routers import ssh_keys as ssh_key_routes
 from gpucloud.api.routers import templates as template_routes
 from gpucloud.api.routers import volumes as volume_routes
 from gpucloud.controllers.loops import ControllerRunner
+from gpucloud.core import redact
 from gpucloud.core.clock import Clock, SystemClock
 from gpucloud.core.settings import Settings
 from gpucloud.db.migrate import upgrade
@@ -77,9 +82,15 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
             await gateway.stop(ssh_gateway)
             ctx.db.dispose()
 
+    # Request lines (uvicorn's access log, httpx's) may hold the proxy's ?gpucloud_token=.
+    redact.install("uvicorn.access", "uvicorn.error", "asyncssh", "httpx", "httpcore")
     app = FastAPI(title="gpucloud", version=__version__, lifespan=lifespan)
     errors.install(app)
-    # Requests for pods' HTTP ports (by Host or /proxy/…) never reach the routers.
+    openapi.install(app)
+    app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(metrics_routes.MetricsMiddleware)
+    # Requests for pods' HTTP ports (by Host or /proxy/…) never reach the routers, nor
+    # the body limit (added last, so outermost).
     app.add_middleware(ProxyMiddleware)
 
     @app.get("/healthz", tags=["health"])
@@ -87,6 +98,9 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
         return {"status": "ok", "version": __version__}
 
     for module in (projects, nodes, agent, pods, jobs, policy, volume_routes, ssh_key_routes,
-                   access_routes, template_routes, registry_auth_routes):
+                   access_routes, template_routes, registry_auth_routes, checkpoint_routes):
         app.include_router(module.router)
+    app.include_router(checkpoint_routes.agent_router)
+    app.include_router(billing_routes.router)
+    app.include_router(metrics_routes.router)
     return app

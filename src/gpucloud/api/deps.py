@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from gpucloud.services import nodes, projects
+from gpucloud.services import auth_guard, nodes, projects, ratelimit
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.projects import Principal
 
@@ -17,33 +19,53 @@ async def get_ctx(request: Request) -> ServiceContext:
     return ctx
 
 
-def _bearer(authorization: str | None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, value = authorization.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else None
+#: The two credentials, as OpenAPI security schemes: a project's API key (``gpc_…``) and
+#: a node's token (``gpn_…``, from ``POST /v1/agent/register``). ``auto_error=False``: a
+#: missing or malformed header reaches the services, which answer 401 in the one error shape.
+API_KEY = HTTPBearer(scheme_name="ApiKey", auto_error=False,
+                     description="A project's API key: `Authorization: Bearer gpc_…`")
+NODE_TOKEN = HTTPBearer(scheme_name="NodeToken", auto_error=False,
+                        description="A node's token from `POST /v1/agent/register`: "
+                        "`Authorization: Bearer gpn_…`")
+Credentials = HTTPAuthorizationCredentials | None
+
+
+def _bearer(credentials: Credentials) -> str | None:
+    return credentials.credentials.strip() if credentials else None
 
 
 # The dependencies are async so that FastAPI does not hand each one to a worker thread;
 # the only blocking work, a database lookup on a cache miss, is sent to one explicitly.
 
 
+def _limit_keys(request: Request, credential: str | None) -> list[str]:
+    """The failure buckets of this request: its TCP peer and the credential's prefix."""
+    return ratelimit.api_keys(request.client.host if request.client else None, credential)
+
+
 async def get_principal(
+    request: Request,
     ctx: Annotated[ServiceContext, Depends(get_ctx)],
-    authorization: Annotated[str | None, Header()] = None,
+    credentials: Annotated[Credentials, Depends(API_KEY)],
 ) -> Principal:
-    key = _bearer(authorization)
+    key = _bearer(credentials)
+    keys = _limit_keys(request, key)
+    auth_guard.check(ctx, keys)  # even a cached key: a blocked guesser learns nothing
     cached = projects.cached_principal(ctx, key)
     if cached is not None:
         return cached
-    return await run_in_threadpool(projects.authenticate, ctx, key)
+    return await run_in_threadpool(auth_guard.authenticated, ctx, keys,
+                                   partial(projects.authenticate, ctx, key))
 
 
 async def get_node_id(
+    request: Request,
     ctx: Annotated[ServiceContext, Depends(get_ctx)],
-    authorization: Annotated[str | None, Header()] = None,
+    credentials: Annotated[Credentials, Depends(NODE_TOKEN)],
 ) -> str:
-    return await run_in_threadpool(nodes.authenticate_node, ctx, _bearer(authorization))
+    token = _bearer(credentials)
+    return await run_in_threadpool(auth_guard.authenticated, ctx, _limit_keys(request, token),
+                                   partial(nodes.authenticate_node, ctx, token))
 
 
 async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:

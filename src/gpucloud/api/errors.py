@@ -5,12 +5,15 @@ Every error body is ``{"detail": "<one readable line>", "field": <name or null>}
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpucloud.core.errors import (
     Conflict,
@@ -20,6 +23,7 @@ from gpucloud.core.errors import (
     NotFound,
     Unauthorized,
 )
+from gpucloud.services.ratelimit import RateLimited
 
 _STATUS: list[tuple[type[GpucloudError], int]] = [
     (InvalidInput, 422),
@@ -27,6 +31,7 @@ _STATUS: list[tuple[type[GpucloudError], int]] = [
     (Conflict, 409),
     (Unauthorized, 401),
     (Forbidden, 403),
+    (RateLimited, 429),
 ]
 
 
@@ -53,6 +58,8 @@ def describe_validation(errors: Sequence[Any]) -> tuple[str, str]:
     first = errors[0]
     field = _field_name(first.get("loc", ()))
     kind = first.get("type", "")
+    if kind == "json_invalid":
+        return "body", f"body: not valid JSON ({first.get('msg', 'invalid')})"
     if kind == "extra_forbidden":
         return field, f"unknown field {field!r}"
     if kind == "missing":
@@ -61,11 +68,41 @@ def describe_validation(errors: Sequence[Any]) -> tuple[str, str]:
     return field, f"{field}: {message}"
 
 
+def _allowed_methods(request: Request) -> str:
+    """The methods the OpenAPI document lists for this path (Starlette names only those of
+    the first route that matches). A literal path wins over a template: ``/v1/nodes/join-tokens``
+    is not ``/v1/nodes/{ref}``."""
+    paths: dict[str, dict[str, Any]] = request.app.openapi().get("paths", {})
+    matches = [template for template in paths
+               if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)),
+                               request.url.path)]
+    literal = [template for template in matches if "{" not in template]
+    methods = {method.upper() for template in (literal or matches) for method in paths[template]}
+    return ", ".join(sorted(methods))
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own errors in the one shape: an unparsable body is bad input
+    (422 naming ``body``), a 405 lists every method of the path."""
+    if error.status_code == 400:
+        return _error_response(422, "body: could not be parsed as JSON", "body")
+    field = "body" if error.status_code == 413 else None
+    response = _error_response(error.status_code, str(error.detail), field)
+    if error.status_code == 405:
+        response.headers["Allow"] = _allowed_methods(request)
+    return response
+
+
 def install(app: FastAPI) -> None:
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+
     @app.exception_handler(GpucloudError)
     async def _gpucloud_error(_: Request, error: GpucloudError) -> JSONResponse:
         field = error.field if isinstance(error, InvalidInput) else None
-        return _error_response(status_of(error), error.message, field)
+        response = _error_response(status_of(error), error.message, field)
+        if isinstance(error, RateLimited):
+            response.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_seconds)))
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:

@@ -90,6 +90,15 @@ def agent(
     access_port: Annotated[int, typer.Option(
         help="Port of the pod access server (default 0: any free port)", min=0, max=65535)
     ] = 0,
+    usage_interval: Annotated[float, typer.Option(
+        help="Seconds between usage samples of each pod (CPU, memory, GPU, network, disk)",
+        min=0.2, max=300)] = 5.0,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Serve Prometheus /metrics on this port (0: any free port)", min=0,
+        max=65535)] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address of --metrics-port")] = "127.0.0.1",
+    hpc_job_mapping_dir: Annotated[Path | None, typer.Option(
+        help="Write dcgm-exporter --hpc-job-mapping-dir files (GPU -> pods) here")] = None,
 ) -> None:
     """Run the node agent: register this host, hold its lease, run its pods."""
     with cli_errors():
@@ -105,6 +114,8 @@ def agent(
             network_mode=network, pod_cidr=pod_cidr,
             port_range=parse_port_range(port_range) if port_range else None,
             access_host=access_host, access_port=access_port,
+            usage_interval_seconds=usage_interval, metrics_port=metrics_port,
+            metrics_host=metrics_host, hpc_job_mapping_dir=hpc_job_mapping_dir,
         )
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)

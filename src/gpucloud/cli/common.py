@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -25,6 +25,7 @@ FOLLOW_POLL_SECONDS = 1.0
 #: How event times are shown (``pod events``, ``job events``).
 EVENT_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 console = Console()
+Item = TypeVar("Item", bound=BaseModel)
 
 
 class OutputFormat(StrEnum):
@@ -112,6 +113,17 @@ def emit(data: BaseModel | Sequence[BaseModel] | dict[str, Any], output: OutputF
         typer.echo(json.dumps(payload, indent=2))
     else:
         render()
+
+
+def emit_table(items: Sequence[Item], output: OutputFormat, columns: Sequence[str],
+               row: Callable[[Item], Sequence[Any]]) -> None:
+    """A list command's answer: the items as JSON, or a table of one ``row(item)`` each."""
+    emit(items, output, lambda: table(columns, [row(item) for item in items]))
+
+
+def emit_deleted(noun: str, ref: str, output: OutputFormat, verb: str = "deleted") -> None:
+    """A delete command's answer: ``{"deleted": ref}`` as JSON, or ``<noun> <ref> deleted``."""
+    emit({verb: ref}, output, lambda: typer.echo(f"{noun} {ref} {verb}"))
 
 
 def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

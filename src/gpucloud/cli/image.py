@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -15,7 +16,13 @@ import typer
 
 from gpucloud.agent.config import default_state_dir
 from gpucloud.cli.common import CliError, OutputFormat, OutputOption, cli_errors, table
+from gpucloud.core.errors import InvalidInput
+from gpucloud.core.quantities import parse_duration
 from gpucloud.images import ImageError, ImageManager, ImageRecord
+from gpucloud.images.client import RegistryClient
+from gpucloud.images.lazy.mounter import node_lazyfs
+from gpucloud.images.lazy.optimize import OptimizedImage, OptimizeOptions, optimize
+from gpucloud.images.lazy.record import RecordOptions
 
 app = typer.Typer(help="Images in this node's image store.", no_args_is_help=True)
 
@@ -66,7 +73,105 @@ def import_(
 
 @app.command("list")
 def list_(state_dir: StateDirOption = None, output: OutputOption = OutputFormat.TABLE) -> None:
-    """The images in this node's store."""
-    with cli_errors(), ImageManager(state_dir or default_state_dir()) as manager:
-        records = [_record(r) for r in manager.list_images()]
-        _show(records, output)
+    """The images in this node's store, with how much of each is local (lazy layers)."""
+    state = state_dir or default_state_dir()
+    with cli_errors(), ImageManager(state, lazy=node_lazyfs(state)) as manager:
+        records = []
+        for record in manager.list_images():
+            local, total = manager.local_bytes(record)
+            records.append({**_record(record), "local": local, "local_of": total})
+        if output is OutputFormat.JSON:
+            _show(records, output)
+            return
+        table(["REFERENCE", "DIGEST", "SIZE", "LOCAL", "STORED"],
+              [[r["reference"], str(r["digest"])[7:19], _size(int(str(r["size"]))),
+                _local(int(str(r["local"])), int(str(r["local_of"]))), r["created_at"]]
+               for r in records])
+
+
+def _local(local: int, total: int) -> str:
+    """``100%`` for a pulled image; a lazily mounted one shows how much is cached."""
+    return f"{100 * local // total}%" if total else "-"
+
+
+@app.command("optimize")
+def optimize_cmd(
+    src: Annotated[str, typer.Argument(help="Image reference, or ./path of an OCI layout")],
+    dst: Annotated[str, typer.Argument(help="Where to push it (reference, or ./layout dir)")],
+    command: Annotated[list[str] | None, typer.Argument(
+        help="With --record: the command to run (after --), else the image's own")] = None,
+    record: Annotated[bool, typer.Option(
+        help="Run the image in a container and put the files it opens first")] = False,
+    period: Annotated[str, typer.Option(help="How long to record (10s, 1m)")] = "10s",
+    wait_on_line: Annotated[str | None, typer.Option(
+        help="Stop recording when an output line matches this regex")] = None,
+    network: Annotated[bool, typer.Option(
+        help="Give the recording container the host's network (default: loopback only)")
+    ] = False,
+    level: Annotated[int, typer.Option(help="gzip level 0-9 (9: smallest, slowest)")] = 9,
+    record_out: Annotated[Path | None, typer.Option(
+        help="Write the recorded paths here, one per line")] = None,
+    prefetch: Annotated[Path | None, typer.Option(
+        help="Also prioritize the paths listed in this file (one per line)")] = None,
+    insecure: Annotated[list[str] | None, typer.Option(
+        help="A non-loopback registry to reach over plain HTTP (repeatable)")] = None,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Convert an image to eStargz (lazily pullable) and push it."""
+    with cli_errors():
+        options = OptimizeOptions(
+            level=_level(level), record=_record_options(record, command, period,
+                                                        wait_on_line, network),
+            prefetch=_prefetch_list(prefetch))
+        with RegistryClient(insecure=insecure or ()) as client:
+            result = optimize(src, dst, options, client)
+        if record_out is not None and result.recording is not None:
+            record_out.write_text("".join(p + "\n" for p in result.recording.paths))
+        _show_optimized(result, output)
+
+
+def _level(level: int) -> int:
+    if not 0 <= level <= 9:
+        raise InvalidInput("level", "must be within 0..9")
+    return level
+
+
+def _record_options(record: bool, command: list[str] | None, period: str,
+                    wait_on_line: str | None, network: bool) -> RecordOptions | None:
+    if not record:
+        if command:
+            raise InvalidInput("command", "a command is only run with --record")
+        return None
+    if wait_on_line is not None:
+        try:
+            re.compile(wait_on_line)
+        except re.error as error:
+            raise InvalidInput("wait-on-line", f"not a regular expression: {error}") from None
+    return RecordOptions(tuple(command or ()), parse_duration("period", period),
+                         wait_on_line, network)
+
+
+def _prefetch_list(path: Path | None) -> tuple[str, ...]:
+    if path is None:
+        return ()
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise InvalidInput("prefetch", f"cannot read {path}: {error.strerror}") from None
+    return tuple(line.strip() for line in lines if line.strip())
+
+
+def _show_optimized(result: OptimizedImage, output: OutputFormat) -> None:
+    layers = [{"digest": c.digest, "size": c.size, "toc_digest": c.toc_digest,
+               "uncompressed_size": c.uncompressed_size, "prioritized": len(p),
+               "prefetch_bytes": c.toc.prefetch_end()}
+              for c, p in zip(result.layers, result.prioritized, strict=True)]
+    if output is OutputFormat.JSON:
+        recorded = list(result.recording.paths) if result.recording else None
+        typer.echo(json.dumps({"digest": result.manifest_digest, "layers": layers,
+                               "recorded": recorded}, indent=2))
+        return
+    typer.echo(f"image {result.manifest_digest}")
+    table(["LAYER", "SIZE", "PRIORITIZED", "PREFETCH"],
+          [[str(x["digest"])[7:19], _size(int(str(x["size"]))), x["prioritized"],
+            _size(int(str(x["prefetch_bytes"])))] for x in layers])

@@ -17,6 +17,8 @@ from gpucloud.cli.common import (
     cli_errors,
     client,
     emit,
+    emit_deleted,
+    emit_table,
     fields,
     table,
 )
@@ -83,12 +85,10 @@ def create(
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's jobs."""
     with cli_errors():
-        jobs = client().list_jobs()
-        emit(jobs, output, lambda: table(
-            ["NAME", "ID", "PHASE", "NODES", "GPUS/NODE", "TOPOLOGY", "RESTARTS", "REASON"],
-            [[j.name, j.id[:12], j.phase, j.nodes, j.gpus_per_node, j.topology.value,
-              j.restarts, j.reason] for j in jobs],
-        ))
+        emit_table(client().list_jobs(), output,
+                   ["NAME", "ID", "PHASE", "NODES", "GPUS/NODE", "TOPOLOGY", "RESTARTS", "REASON"],
+                   lambda j: [j.name, j.id[:12], j.phase, j.nodes, j.gpus_per_node,
+                              j.topology.value, j.restarts, j.reason])
 
 
 @app.command()
@@ -168,4 +168,4 @@ def delete(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Delete a job and its members; running members are stopped."""
     with cli_errors():
         client().delete_job(job)
-        emit({"deleted": job}, output, lambda: typer.echo(f"job {job} deleted"))
+        emit_deleted("job", job, output)

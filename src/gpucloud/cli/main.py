@@ -8,9 +8,14 @@ import typer
 
 from gpucloud.cli import agent as agent_cli
 from gpucloud.cli import bench, gpu, image, job, node, pod, policy, project, server, sim, up
+from gpucloud.cli import checkpoint as checkpoint_cli
+from gpucloud.cli import lazyfs as lazyfs_cli
+from gpucloud.cli import price as price_cli
 from gpucloud.cli import registry_auth as registry_auth_cli
+from gpucloud.cli import spend_limit as spend_limit_cli
 from gpucloud.cli import ssh_key as ssh_key_cli
 from gpucloud.cli import template as template_cli
+from gpucloud.cli import usage as usage_cli
 from gpucloud.cli import volume as volume_cli
 
 app = typer.Typer(
@@ -22,6 +27,7 @@ app = typer.Typer(
 app.command("up")(up.up)
 app.command("server")(server.server)
 app.command("agent")(agent_cli.agent)
+app.command("lazyfs")(lazyfs_cli.lazyfs)
 app.add_typer(server.config_app, name="config")
 app.add_typer(project.project_app, name="project")
 app.add_typer(project.key_app, name="key")
@@ -30,10 +36,15 @@ app.add_typer(pod.app, name="pod")
 app.add_typer(ssh_key_cli.app, name="ssh-key")
 app.add_typer(job.app, name="job")
 app.add_typer(volume_cli.app, name="volume")
+app.add_typer(checkpoint_cli.app, name="checkpoint")
 app.add_typer(template_cli.app, name="template")
 app.add_typer(registry_auth_cli.app, name="registry-auth")
 app.add_typer(policy.priority_app, name="priority-class")
 app.add_typer(policy.quota_app, name="quota")
+app.add_typer(price_cli.app, name="price")
+app.command("usage")(usage_cli.usage)
+app.command("invoice")(usage_cli.invoice)
+project.project_app.add_typer(spend_limit_cli.app, name="limit")
 app.add_typer(gpu.app, name="gpu")
 app.add_typer(image.app, name="image")
 app.add_typer(sim.app, name="sim")

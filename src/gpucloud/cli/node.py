@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from gpucloud.cli.common import OutputFormat, OutputOption, cli_errors, client, emit, fields, table
@@ -29,6 +31,7 @@ def _show(node: NodeOut) -> None:
         ("network volumes", _volume_mode(node.volume_mode)),
         ("lease until", node.lease_expires_at.isoformat(timespec="seconds")
          if node.lease_expires_at else None),
+        ("drain", _drain_summary(node)),
     ])
     for gpu in node.gpus:
         peers = ",".join(map(str, gpu.nvlink_peers)) or "-"
@@ -45,11 +48,48 @@ def _volume_mode(mode: str | None) -> str:
     return "unknown (an older agent: hostpath)"
 
 
-@app.command("join-token")
-def join_token() -> None:
-    """Print a new join token (alone on stdout) for `gpucloud agent --join-token`."""
+join_tokens = typer.Typer(help="Join tokens for new nodes.")
+app.add_typer(join_tokens, name="join-token")
+
+
+@join_tokens.callback(invoke_without_command=True)
+def join_token(
+    context: typer.Context,
+    uses: Annotated[int | None, typer.Option(
+        min=1, help="Registrations it allows (1: single-use); default any until it expires")
+    ] = None,
+    ttl: Annotated[float | None, typer.Option(
+        "--ttl", min=60, help="Seconds it stays valid (default: the server's, 24 h)")] = None,
+) -> None:
+    """Print a new join token (alone on stdout) for `gpucloud agent --join-token`;
+    `list` and `revoke ID` manage the existing ones."""
+    if context.invoked_subcommand is not None:
+        return
     with cli_errors():
-        typer.echo(client().create_join_token().token)
+        typer.echo(client().create_join_token(uses=uses, ttl_seconds=ttl).token)
+
+
+@join_tokens.command("list")
+def list_join_tokens(output: OutputOption = OutputFormat.TABLE) -> None:
+    """Join tokens: prefix, uses, expiry, revocation (never their values)."""
+    with cli_errors():
+        tokens = client().list_join_tokens()
+        emit(tokens, output, lambda: table(
+            ["ID", "PREFIX", "USES", "EXPIRES", "REVOKED"],
+            [[t.id, t.prefix or "-", f"{t.uses}/{t.max_uses if t.max_uses else 'any'}",
+              t.expires_at.isoformat(timespec="seconds"),
+              t.revoked_at.isoformat(timespec="seconds") if t.revoked_at else "no"]
+             for t in tokens]))
+
+
+@join_tokens.command("revoke")
+def revoke_join_token(token: Annotated[str, typer.Argument(help="id or printed prefix")],
+                      output: OutputOption = OutputFormat.TABLE) -> None:
+    """Refuse a join token from now on (nodes it registered keep working)."""
+    with cli_errors():
+        revoked = client().revoke_join_token(token)
+        emit(revoked, output, lambda: typer.echo(f"join token {revoked.prefix or revoked.id} "
+                                                 "revoked"))
 
 
 @app.command("list")
@@ -87,3 +127,40 @@ def uncordon(node: str, output: OutputOption = OutputFormat.TABLE) -> None:
     with cli_errors():
         found = client().cordon(node, False)
         emit(found, output, lambda: typer.echo(f"node {found.name} uncordoned"))
+
+
+def _drain_summary(node: NodeOut) -> str | None:
+    """``draining: 2 of 3 pods left (a, b), deadline …`` — the drain's progress."""
+    drain = node.drain
+    if drain is None:
+        return None
+    if drain.state == "waiting":
+        return "waiting for another node's drain to end (cordoned)"
+    left = f"{drain.pods_left} of {drain.pods_total} pods left"
+    if drain.pods:
+        left += f" ({', '.join(drain.pods)})"
+    deadline = drain.deadline.isoformat(timespec="seconds") if drain.deadline else "-"
+    if drain.state == "drained":
+        ended = drain.finished_at.isoformat(timespec="seconds") if drain.finished_at else ""
+        return f"drained at {ended}; {drain.pods_total} pods moved"
+    return f"draining: {left}, deadline {deadline}"
+
+
+@app.command()
+def drain(node: str, deadline: Annotated[str | None, typer.Option(
+        help="After this long (60s, 10m; default 10m) what still runs there is stopped")] = None,
+          output: OutputOption = OutputFormat.TABLE) -> None:
+    """Move every pod off a node: cordon, notice (checkpoint, SIGTERM), restart elsewhere;
+    the node is Drained once empty."""
+    with cli_errors():
+        found = client().drain(node, deadline)
+        emit(found, output, lambda: typer.echo(
+            f"node {found.name} {found.status}: {_drain_summary(found)}"))
+
+
+@app.command()
+def undrain(node: str, output: OutputOption = OutputFormat.TABLE) -> None:
+    """End a node's drain and place pods on it again."""
+    with cli_errors():
+        found = client().undrain(node)
+        emit(found, output, lambda: typer.echo(f"node {found.name} undrained ({found.status})"))

@@ -50,12 +50,20 @@ def _show_pod(pod: PodOut) -> None:
         ("ports", ", ".join(pod.ports)), ("ip", pod.ip),
         ("port map", _port_map(pod)), ("restart", pod.restart.value),
         ("restarts", pod.restart_count), ("exit code", pod.exit_code),
+        ("spot", f"yes (bid {pod.bid:g})" if pod.spot and pod.bid else
+         "yes" if pod.spot else None),
+        ("preemptions", f"{pod.preemptions} (last: {pod.last_preemption_reason}; "
+         f"time lost {pod.time_lost_seconds:.0f}s)" if pod.preemptions else None),
         ("max duration", f"{pod.max_duration:g}s" if pod.max_duration else None),
         ("volume", f"{format_memory(pod.volume_size)} at {pod.volume_path} on node "
                    f"{pod.volume_node or '(not placed yet)'}" if pod.volume_size else None),
         ("container disk",
          format_memory(pod.container_disk) if pod.container_disk else None),
         ("network volumes", ", ".join(pod.network_volumes) or None),
+        ("checkpoint dir", pod.checkpoint_dir),
+        ("last checkpoint", f"{pod.last_checkpoint.id[:12]} at "
+         f"{pod.last_checkpoint.time.isoformat(timespec='seconds')} "
+         f"({format_memory(pod.last_checkpoint.size_bytes)})" if pod.last_checkpoint else None),
         ("created", pod.created_at.isoformat(timespec="seconds")),
     ])
 

@@ -15,7 +15,8 @@ from gpucloud.cli.common import (
     cli_errors,
     client,
     emit,
-    table,
+    emit_deleted,
+    emit_table,
 )
 from gpucloud.cli.spec import build_request
 from gpucloud.core.spec import RegistryAuthAddRequest
@@ -52,12 +53,10 @@ def add(
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's registry credentials (passwords are never shown)."""
     with cli_errors():
-        items = client().list_registry_auths()
-        emit(items, output, lambda: table(
-            ["NAME", "USERNAME", "REGISTRY", "CREATED"],
-            [[a.name, a.username, a.registry or "(the image's)",
-              a.created_at.isoformat(timespec="seconds")] for a in items],
-        ))
+        emit_table(client().list_registry_auths(), output,
+                   ["NAME", "USERNAME", "REGISTRY", "CREATED"],
+                   lambda a: [a.name, a.username, a.registry or "(the image's)",
+                              a.created_at.isoformat(timespec="seconds")])
 
 
 @app.command()
@@ -65,4 +64,4 @@ def remove(name: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Remove credentials; pods that named them pull without from then on."""
     with cli_errors():
         client().remove_registry_auth(name)
-        emit({"removed": name}, output, lambda: typer.echo(f"registry auth {name} removed"))
+        emit_deleted("registry auth", name, output, verb="removed")

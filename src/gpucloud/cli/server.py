@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,6 +13,7 @@ import uvicorn
 from gpucloud.api.app import create_app
 from gpucloud.cli.common import CliError, cli_errors, config_path, save_config
 from gpucloud.core.settings import Settings
+from gpucloud.services.metrics import MULTIPROC_ENV
 
 #: How long a stopping server waits for requests in flight: agents' long polls (up to
 #: 60 s) are cut, and the agents simply poll again.
@@ -48,9 +50,20 @@ def server(
             uvicorn.run(create_app(settings), host=host, port=port, access_log=access_log,
                         log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_SECONDS)
         else:
+            metrics_dir(settings.home)
             uvicorn.run("gpucloud.api.app:create_app", factory=True, workers=workers,
                         host=host, port=port, access_log=access_log, log_level=log_level,
                         timeout_graceful_shutdown=SHUTDOWN_SECONDS)
+
+
+def metrics_dir(home: Path) -> None:
+    """Several workers: prometheus-client's multiprocess mode, in a folder emptied at start
+    (``/metrics`` on any worker then sums the counters of all; docs/usage.md)."""
+    folder = Path(os.environ.get(MULTIPROC_ENV) or home / "prometheus")
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.db"):
+        stale.unlink()
+    os.environ[MULTIPROC_ENV] = str(folder)
 
 
 config_app = typer.Typer(help="CLI configuration.", no_args_is_help=True)

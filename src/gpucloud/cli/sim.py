@@ -1,4 +1,5 @@
-"""``gpucloud sim …``: replay the FGD paper's trace experiments on the scheduler library."""
+"""``gpucloud sim …``: replay the FGD paper's trace experiments on the scheduler library,
+and the checkpoint-interval experiment (``sim checkpoint``)."""
 
 from __future__ import annotations
 
@@ -9,22 +10,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Annotated
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from gpucloud.core.errors import GpucloudError
+from gpucloud.core.quantities import parse_duration
 from gpucloud.scheduler.framework.cluster import Allocation, ClusterState
-from gpucloud.scheduler.registry import POLICY_NAMES
+from gpucloud.scheduler.registry import POLICY_NAMES, profile_configs
 from gpucloud.scheduler.scheduler import to_placement
 from gpucloud.scheduler.types import NodeState, PodRequest
+from gpucloud.sim.checkpoint import DEFAULT_SETTINGS, IntervalResult, SettingResult, run_setting
 from gpucloud.sim.data import find_workload, load_nodes, load_pods, workload_names
 from gpucloud.sim.engine import RunResult, run_openb
 from gpucloud.sim.jobs.engine import POLICIES as JOB_POLICIES
 from gpucloud.sim.jobs.engine import run_jobs
 from gpucloud.sim.jobs.metrics import JobsResult
 from gpucloud.sim.jobs.trace import load_trace
+from gpucloud.sim.load import PROFILES as LOAD_PROFILES
+from gpucloud.sim.load import run_load
 from gpucloud.sim.report import Summary, seeds, summarize
 
 app = typer.Typer(help="Trace-driven scheduler simulations.", no_args_is_help=True)
@@ -227,3 +233,110 @@ def workloads() -> None:
         raise fail("no workloads found (set GPUCLOUD_SHARED_DATA to the shared data folder)")
     for name in names:
         console.print(name)
+
+
+def _setting(text: str) -> tuple[float, float]:
+    """``DELTA:M`` durations (``5m:24h``)."""
+    delta, sep, mtbf = text.partition(":")
+    if not sep:
+        raise fail(f"--setting {text!r} is not DELTA:M (e.g. 5m:24h)")
+    try:
+        values = parse_duration("setting", delta), parse_duration("setting", mtbf)
+    except GpucloudError as exc:
+        raise fail(exc.message) from exc
+    if min(values) <= 0:
+        raise fail(f"--setting {text!r}: both durations must be positive")
+    return values
+
+
+@app.command()
+def checkpoint(
+    setting: Annotated[list[str] | None, typer.Option(
+        help="DELTA:M (checkpoint cost : mean time between interruptions), repeatable; "
+        "default: 5m:24h 5m:6h 1m:1h 30s:4h 5m:2h.")] = None,
+    restart: Annotated[str, typer.Option(help="Restart cost R.")] = "10m",
+    work: Annotated[str, typer.Option(help="The job's total work W.")] = "1000h",
+    seeds_: Annotated[int, typer.Option("--seeds", min=1, help="Seeds 42, 43, …")] = 20,
+    output: Annotated[str, typer.Option(help="table or json.")] = "table",
+) -> None:
+    """Lost-work fraction under Poisson interruptions: Daly's interval vs the analytic
+    optimum and fixed intervals (5m, 30m, 2h)."""
+    if output not in ("table", "json"):
+        raise fail("--output must be table or json")
+    settings = [_setting(s) for s in setting] if setting else list(DEFAULT_SETTINGS)
+    try:
+        restart_s, work_s = parse_duration("restart", restart), parse_duration("work", work)
+    except GpucloudError as exc:
+        raise fail(exc.message) from exc
+    if work_s <= 0:
+        raise fail("--work must be positive")
+    results = [run_setting(delta, mtbf, seeds(seeds_), restart=restart_s, work=work_s)
+               for delta, mtbf in settings]
+    if output == "json":
+        console.print_json(json.dumps([r.to_json() for r in results]))
+    else:
+        console.print(_checkpoint_table(results, seeds_))
+
+
+def _checkpoint_table(results: list[SettingResult], seed_count: int) -> Table:
+    first = results[0]
+    table = Table(title=f"lost-work % (R = {first.restart / 60:g} min, W = "
+                  f"{first.work / 3600:g} h, {seed_count} seeds; mean ± std)")
+    for column in ("δ", "M", "optimum τ", "optimum %", "Daly τ", "Daly %", "Daly vs opt",
+                   *(r.label for r in first.intervals[1:])):
+        table.add_column(column, justify="right")
+    for r in results:
+        cells = [f"{r.delta / 60:g} min", f"{r.mtbf / 3600:g} h",
+                 f"{r.optimum_tau / 60:.1f} min", f"{100 * r.optimum_lost:.2f}",
+                 f"{r.daly.tau / 60:.1f} min", _percent(r.daly),
+                 f"{100 * r.daly_vs_optimum:+.1f} %"]
+        table.add_row(*cells, *(_percent(i) for i in r.intervals[1:]))
+    return table
+
+
+def _percent(result: IntervalResult) -> str:
+    bound = "≥ " if result.capped else ""
+    return f"{bound}{100 * result.mean:.2f} ± {100 * result.spread:.2f}"
+
+
+@app.command("load")
+def load_experiment(
+    workload: Annotated[str, typer.Option(help="Workload name (openb), e.g. default.")
+                        ] = "default",
+    profile: Annotated[str, typer.Option(help="Comma list of profiles.")] = ",".join(
+        LOAD_PROFILES),
+    seeds_: Annotated[int, typer.Option("--seeds", min=1, help="Seeds 42, 43, …")] = 3,
+    tune: Annotated[float, typer.Option(min=0.01, help="Arrived GPU request / capacity.")] = 1.0,
+    output: Annotated[str, typer.Option(help="table or json.")] = "table",
+) -> None:
+    """Pods whose real use differs from their requests (sim/load.py): hot nodes and
+    allocation for default vs default+load-aware."""
+    if output not in ("table", "json"):
+        raise fail("--output must be table or json")
+    names = [p.strip() for p in profile.split(",") if p.strip()]
+    known = set(profile_configs())
+    unknown = [p for p in names if p not in known]
+    if unknown or not names:
+        raise fail(f"unknown profile {(unknown or [profile])[0]!r}")
+    try:
+        found = find_workload(workload)
+        node_list, pod_list = load_nodes(found.nodes_csv), load_pods(found.pods_csv)
+    except GpucloudError as exc:
+        raise fail(exc.message) from exc
+    runs = [run_load(node_list, pod_list, name, seed, tune)
+            for name in names for seed in seeds(seeds_)]
+    if output == "json":
+        console.print_json(json.dumps([r.to_json() for r in runs]))
+        return
+    table = Table(title=f"openb {workload}: real use ≠ requests, mean of {seeds_} seeds")
+    for column in ("profile", "hot nodes (>80 %)", "allocation %", "unallocated GPU %",
+                   "pods placed %", "max node CPU use %"):
+        table.add_column(column, justify="left" if column == "profile" else "right")
+    for name in names:
+        mine = [r for r in runs if r.profile == name]
+        table.add_row(name, f"{np.mean([r.hot_nodes for r in mine]):.1f}",
+                      f"{np.mean([r.allocation_pct for r in mine]):.2f}",
+                      f"{np.mean([r.unallocated_gpu_pct for r in mine]):.2f}",
+                      f"{np.mean([r.placed_pct for r in mine]):.2f}",
+                      f"{np.mean([r.max_cpu_use_pct for r in mine]):.1f}")
+    console.print(table)

@@ -66,10 +66,26 @@ NETWORK_VOLUME = SpecOption("network_volume", _option(
 REGISTRY_AUTH = SpecOption("registry_auth", _option(
     str | None, "Registry credentials to pull the image with (gpucloud registry-auth)"),
     "registry_auth")
+CHECKPOINT_DIR = SpecOption("checkpoint_dir", _option(
+    str | None, "A directory the platform keeps: committed checkpoints are restored there "
+    "on the next start (/ckpt)"), "checkpoint_dir")
+CHECKPOINT_SIGNAL = SpecOption("checkpoint_signal", _option(
+    str | None, "The checkpoint request sent every interval (default SIGUSR1)"),
+    "checkpoint_signal")
+CHECKPOINT = SpecOption("checkpoint", _option(
+    str | None, "directory (the program writes its checkpoint dir) or transparent "
+    "(runc/CRIU dumps the container, where a node can)"), "checkpoint")
 GPUS = SpecOption("gpus", _option(float | None, "Whole GPUs, or a share below 1 (0.5)"),
                   "gpus")
 PORT = SpecOption("port", _option(list[str] | None, "PORT, PORT/http or PORT/tcp; repeatable"),
                   "ports")
+SPOT = SpecOption("spot", _option(
+    bool | None, "Spot work: the spot priority class, preempted with notice and requeued "
+    "elsewhere"), "spot")
+BID = SpecOption("bid", _option(float | None, "A spot price per GPU-hour (recorded)"), "bid")
+GRACE = SpecOption("grace", _option(
+    float | None, "Seconds from a preemption notice (SIGTERM) to SIGKILL (default 30)"),
+    "grace")
 PRIORITY_CLASS = SpecOption("priority_class", _option(
     str | None, "spot, batch (default), on-demand or another class"), "priority_class")
 MAX_DURATION = SpecOption("max_duration", _option(
@@ -77,7 +93,8 @@ MAX_DURATION = SpecOption("max_duration", _option(
 
 #: What every container spec has (pods, job members, templates).
 SPEC = (COMMAND, IMAGE, GPU_TYPE, CPU, MEMORY, ENV, ENTRYPOINT, VOLUME_SIZE, VOLUME_PATH,
-        CONTAINER_DISK, NETWORK_VOLUME, REGISTRY_AUTH)
+        CONTAINER_DISK, NETWORK_VOLUME, REGISTRY_AUTH, CHECKPOINT_DIR, CHECKPOINT_SIGNAL,
+        CHECKPOINT, SPOT, BID, GRACE)
 #: A pod's (and a template's) GPUs and ports; a job has ``--gpus-per-node`` instead.
 GPUS_PORTS = (GPUS, PORT)
 #: How the scheduler treats running work (pods and jobs).

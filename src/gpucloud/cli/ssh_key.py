@@ -15,7 +15,7 @@ from gpucloud.cli.common import (
     cli_errors,
     client,
     emit,
-    table,
+    emit_table,
 )
 from gpucloud.core.access import SshKeyOut
 
@@ -53,11 +53,10 @@ def add(
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """The project's SSH keys."""
     with cli_errors():
-        found = client().list_ssh_keys()
-        emit(found, output, lambda: table(
-            ["ID", "NAME", "TYPE", "FINGERPRINT", "ADDED"],
-            [[k.id, k.name, k.key_type, k.fingerprint,
-              k.created_at.isoformat(timespec="seconds")] for k in found]))
+        emit_table(client().list_ssh_keys(), output,
+                   ["ID", "NAME", "TYPE", "FINGERPRINT", "ADDED"],
+                   lambda k: [k.id, k.name, k.key_type, k.fingerprint,
+                              k.created_at.isoformat(timespec="seconds")])
 
 
 @app.command()

@@ -15,8 +15,9 @@ from gpucloud.cli.common import (
     cli_errors,
     client,
     emit,
+    emit_deleted,
+    emit_table,
     fields,
-    table,
 )
 from gpucloud.cli.spec import GPUS_PORTS, SPEC, SpecValues, build_request, spec_options
 from gpucloud.core.quantities import format_memory
@@ -70,12 +71,10 @@ def create(
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's templates."""
     with cli_errors():
-        items = client().list_templates()
-        emit(items, output, lambda: table(
-            ["NAME", "IMAGE", "GPUS", "PORTS", "VOLUME"],
-            [[t.name, t.image, f"{t.gpus:g}", ",".join(t.ports), _size(t.volume_size)]
-             for t in items],
-        ))
+        emit_table(client().list_templates(), output,
+                   ["NAME", "IMAGE", "GPUS", "PORTS", "VOLUME"],
+                   lambda t: [t.name, t.image, f"{t.gpus:g}", ",".join(t.ports),
+                              _size(t.volume_size)])
 
 
 @app.command()
@@ -91,5 +90,4 @@ def delete(template: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Delete a template; pods created from it keep their settings."""
     with cli_errors():
         client().delete_template(template)
-        emit({"deleted": template}, output,
-             lambda: typer.echo(f"template {template} deleted"))
+        emit_deleted("template", template, output)

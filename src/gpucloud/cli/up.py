@@ -55,7 +55,7 @@ def import_demo_image(state_dir: Path, workdir: Path) -> None:
         manager.import_archive(archive)
 
 
-def _preflight(port: int) -> None:
+def _preflight(port: int, ssh_port: int) -> None:
     """One line saying what is missing, before anything starts."""
     if os.geteuid() != 0:
         raise CliError("gpucloud up needs root: runc runs the pods' containers "
@@ -63,12 +63,14 @@ def _preflight(port: int) -> None:
     for path, package in ((RUNC, "runc"), (BUSYBOX, "busybox-static")):
         if not path.exists():
             raise CliError(f"{path} is missing: apt-get install {package}")
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            raise CliError(f"port {port} is in use (is gpucloud already up? try --port)") from None
+    for number, option in ((port, "--port"), (ssh_port, "--ssh-port")):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                probe.bind(("127.0.0.1", number))
+            except OSError:
+                raise CliError(f"port {number} is in use (is gpucloud already up? "
+                               f"try {option})") from None
 
 
 def _spawn(args: list[str], log: Path, env: dict[str, str] | None = None
@@ -132,17 +134,20 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
         process.wait()
 
 
-def _summary(url: str, home: Path, simulate: str | None, logs: Path) -> None:
+def _summary(url: str, ssh_port: int, home: Path, simulate: str | None, logs: Path) -> None:
     hardware = "simulated dgx-h100 (8x H100 80GB)" if simulate else "this host's GPUs"
     typer.echo(f"""
 gpucloud is up: one node with {hardware}
   API:        {url}   (OpenAPI at {url}/docs)
+  SSH:        ssh -p {ssh_port} <pod-id>@127.0.0.1   (after: gpucloud ssh-key add KEY.pub)
   admin key:  {home / 'admin.key'}   (the CLI is configured: {home / 'config.json'})
   logs:       {logs}/server.log, {logs}/agent.log
 
 Try:
   gpucloud pod create hello --image gpucloud/demo --gpus 2 -- gpucloud-demo
   gpucloud pod logs hello
+  gpucloud pod create box --image gpucloud/demo --volume-size 1Gi -- sleep 86400
+  gpucloud pod exec box -- df -h /workspace
   gpucloud node list
 
 Ctrl-C stops the server and the agent.""")
@@ -167,20 +172,22 @@ def _serve_until_interrupted(processes: list[subprocess.Popen[bytes]]) -> None:
 
 def up(
     port: Annotated[int, typer.Option(help="Port for the API", min=1, max=65535)] = 8080,
+    ssh_port: Annotated[int, typer.Option(help="Port for the SSH gateway",
+                                          min=1, max=65535)] = 2222,
     simulate: Annotated[str | None, typer.Option(
         help="Hardware profile to simulate (default: dgx-h100 unless NVML finds GPUs)")] = None,
 ) -> None:
     """Start a one-node gpucloud here: server, agent and the demo image."""
     with cli_errors():
-        _preflight(port)
+        _preflight(port, ssh_port)
         home, state_dir, name = gpucloud_home(), default_state_dir(), default_node_name()
         home.mkdir(parents=True, exist_ok=True)
         if simulate is None and discover(None, name).provider != "nvml":
             simulate = "dgx-h100"
         import_demo_image(state_dir, home)
         url = f"http://127.0.0.1:{port}"
-        server = _spawn(["gpucloud.cli.main", "server", "--port", str(port)],
-                        home / "server.log")
+        server = _spawn(["gpucloud.cli.main", "server", "--port", str(port),
+                         "--ssh-port", str(ssh_port)], home / "server.log")
         processes = [server]
         try:
             _wait(lambda: _healthy(url) and _admin_key(home), server, home / "server.log",
@@ -198,5 +205,5 @@ def up(
         except BaseException:
             _stop(processes)
             raise
-        _summary(url, home, simulate, home)
+        _summary(url, ssh_port, home, simulate, home)
         _serve_until_interrupted(processes)

@@ -5,18 +5,17 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from gpucloud.cli.common import (
-    CliError,
     OutputFormat,
     OutputOption,
     cli_errors,
     client,
     emit,
-    table,
-    validation_message,
+    emit_deleted,
+    emit_table,
 )
+from gpucloud.cli.spec import build_request
 from gpucloud.core.access import VolumeCreateRequest
 
 app = typer.Typer(help="Network volumes: files that pods on several nodes share.",
@@ -32,10 +31,7 @@ def create(
 ) -> None:
     """Create a network volume: gpucloud volume create NAME --size 100Gi [--zone Z]"""
     with cli_errors():
-        try:
-            request = VolumeCreateRequest(name=name, size=size, zone=zone)
-        except ValidationError as error:
-            raise CliError(validation_message(error)) from None
+        request = build_request(VolumeCreateRequest, {"name": name, "size": size, "zone": zone})
         volume = client().create_volume(request)
         emit(volume, output, lambda: typer.echo(
             f"volume {volume.name} created ({volume.id}): {volume.size}"))
@@ -45,11 +41,9 @@ def create(
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's network volumes and the live pods mounting them."""
     with cli_errors():
-        volumes = client().list_volumes()
-        emit(volumes, output, lambda: table(
-            ["NAME", "ID", "SIZE", "ZONE", "MOUNTED BY"],
-            [[v.name, v.id[:12], v.size, v.zone, ", ".join(v.mounted_by)] for v in volumes],
-        ))
+        emit_table(client().list_volumes(), output,
+                   ["NAME", "ID", "SIZE", "ZONE", "MOUNTED BY"],
+                   lambda v: [v.name, v.id[:12], v.size, v.zone, ", ".join(v.mounted_by)])
 
 
 @app.command()
@@ -57,4 +51,4 @@ def delete(name: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Delete a network volume and its files (refused while a live pod mounts it)."""
     with cli_errors():
         client().delete_volume(name)
-        emit({"deleted": name}, output, lambda: typer.echo(f"volume {name} deleted"))
+        emit_deleted("volume", name, output)

@@ -17,22 +17,12 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
-from gpucloud.client.sdk import ApiError
-from gpucloud.core.errors import (
-    Conflict,
-    Forbidden,
-    GpucloudError,
-    InvalidInput,
-    NotFound,
-    Unauthorized,
-)
+from gpucloud.client.sdk import ERROR_KINDS, ApiError
+from gpucloud.core.errors import GpucloudError, InvalidInput
 
 STDIN, STDOUT, STDERR, RESIZE, EXIT = 0, 1, 2, 3, 4
 SUBPROTOCOL = "gpucloud.exec"
 STDIN_CHUNK = 32 * 1024
-_ERRORS: dict[int, type[GpucloudError]] = {
-    401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
-}
 
 
 @dataclass
@@ -59,7 +49,7 @@ def _error(body: dict[str, object]) -> GpucloudError:
     status = int(str(body.get("status") or 0))
     if status == 422:
         return InvalidInput("command", message)
-    kind = _ERRORS.get(status)
+    kind = ERROR_KINDS.get(status)
     return kind(message) if kind else ApiError(status, message)
 
 

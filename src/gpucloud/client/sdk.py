@@ -13,6 +13,25 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 
 from gpucloud.core.access import PodAccessOut, SshKeyOut, VolumeCreateRequest, VolumeOut
+from gpucloud.core.billing import (
+    InvoiceOut,
+    PriceOut,
+    PriceSetRequest,
+    SpendLimitOut,
+    SpendLimitSetRequest,
+    UsageOut,
+)
+from gpucloud.core.checkpoints import (
+    AgentCheckpointRequest,
+    CheckpointCommitRequest,
+    CheckpointDetailOut,
+    CheckpointMissingOut,
+    CheckpointMissingRequest,
+    CheckpointOut,
+    CheckpointRejectRequest,
+    ChunkUploadOut,
+    Manifest,
+)
 from gpucloud.core.errors import (
     Conflict,
     Forbidden,
@@ -34,7 +53,9 @@ from gpucloud.core.models import (
     AgentLogChunkRequest,
     AgentPodStatusRequest,
     AssignmentsOut,
+    JoinTokenInfoOut,
     JoinTokenOut,
+    JoinTokenRequest,
     KeyCreatedOut,
     KeyOut,
     LeaseResponse,
@@ -61,6 +82,7 @@ from gpucloud.core.spec import (
     TemplateCreateRequest,
     TemplateOut,
 )
+from gpucloud.core.usage import AgentUsageBatchOut, AgentUsageBatchRequest
 
 T = TypeVar("T")
 
@@ -71,6 +93,12 @@ class ApiError(GpucloudError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+#: The error class an HTTP status stands for (422 is ``InvalidInput``, with its field).
+ERROR_KINDS: dict[int, type[GpucloudError]] = {
+    401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
+}
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -89,11 +117,8 @@ def _raise_for(response: httpx.Response) -> None:
         raise error
     if code == 409 and "fencing token" in detail:
         raise StaleFencingToken(detail)
-    kinds: dict[int, type[GpucloudError]] = {
-        401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
-    }
-    if code in kinds:
-        raise kinds[code](detail)
+    if code in ERROR_KINDS:
+        raise ERROR_KINDS[code](detail)
     raise ApiError(code, f"server answered {code}: {detail}")
 
 
@@ -124,6 +149,18 @@ class _Base:
     def _typed(self, kind: type[T], method: str, path: str, **kwargs: Any) -> T:
         return TypeAdapter(kind).validate_python(self._call(method, path, **kwargs))
 
+    def _raw(self, method: str, path: str, *, content: bytes | None = None,
+             headers: dict[str, str] | None = None,
+             params: dict[str, Any] | None = None) -> httpx.Response:
+        """A request whose body or answer is bytes, not JSON (checkpoint chunks)."""
+        try:
+            response = self._http.request(method, path, content=content, headers=headers,
+                                          params=params)
+        except httpx.TransportError as error:
+            raise ApiError(0, f"cannot reach the gpucloud server at {self.url}: {error}") from None
+        _raise_for(response)
+        return response
+
 
 def _body(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json", exclude_unset=True)
@@ -152,8 +189,17 @@ class GpucloudClient(_Base):
         return self._typed(KeyOut, "POST", f"/v1/keys/{ref}/revoke")
 
     # nodes
-    def create_join_token(self) -> JoinTokenOut:
-        return self._typed(JoinTokenOut, "POST", "/v1/nodes/join-tokens")
+    def create_join_token(self, uses: int | None = None,
+                          ttl_seconds: float | None = None) -> JoinTokenOut:
+        body = _body(JoinTokenRequest(uses=uses, ttl_seconds=ttl_seconds))
+        return self._typed(JoinTokenOut, "POST", "/v1/nodes/join-tokens",
+                           json={k: v for k, v in body.items() if v is not None})
+
+    def list_join_tokens(self) -> list[JoinTokenInfoOut]:
+        return self._typed(list[JoinTokenInfoOut], "GET", "/v1/nodes/join-tokens")
+
+    def revoke_join_token(self, ref: str) -> JoinTokenInfoOut:
+        return self._typed(JoinTokenInfoOut, "POST", f"/v1/nodes/join-tokens/{ref}/revoke")
 
     def list_nodes(self) -> list[NodeOut]:
         return self._typed(list[NodeOut], "GET", "/v1/nodes")
@@ -164,6 +210,14 @@ class GpucloudClient(_Base):
     def cordon(self, ref: str, cordoned: bool = True) -> NodeOut:
         action = "cordon" if cordoned else "uncordon"
         return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/{action}")
+
+    def drain(self, ref: str, deadline: str | float | None = None) -> NodeOut:
+        """Drain a node (``deadline``: ``60s``, ``10m``; None: the server's default)."""
+        body = {} if deadline is None else {"deadline": deadline}
+        return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/drain", json=body)
+
+    def undrain(self, ref: str) -> NodeOut:
+        return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/undrain")
 
     # pods
     def create_pod(self, request: PodCreateRequest | dict[str, Any]) -> PodOut:
@@ -309,6 +363,47 @@ class GpucloudClient(_Base):
     def set_quota(self, project: str, request: QuotaSetRequest) -> QuotaOut:
         return self._typed(QuotaOut, "PUT", f"/v1/quotas/{project}", json=_body(request))
 
+    # prices, usage, invoices, spend limits
+    def list_prices(self) -> list[PriceOut]:
+        return self._typed(list[PriceOut], "GET", "/v1/prices")
+
+    def set_price(self, request: PriceSetRequest | dict[str, Any]) -> PriceOut:
+        body = request if isinstance(request, dict) else _body(request)
+        return self._typed(PriceOut, "POST", "/v1/prices", json=body)
+
+    def usage(self, project: str | None = None, since: str | None = None,
+              until: str | None = None, by: str = "pod") -> UsageOut:
+        params = {k: v for k, v in (("project", project), ("since", since), ("until", until),
+                                    ("by", by)) if v is not None}
+        return self._typed(UsageOut, "GET", "/v1/usage", params=params)
+
+    def invoice(self, project: str, month: str) -> InvoiceOut:
+        return self._typed(InvoiceOut, "GET", f"/v1/invoices/{project}",
+                           params={"month": month})
+
+    def get_spend_limit(self, project: str) -> SpendLimitOut:
+        return self._typed(SpendLimitOut, "GET", f"/v1/projects/{project}/spend-limit")
+
+    def set_spend_limit(self, project: str,
+                        request: SpendLimitSetRequest | dict[str, Any]) -> SpendLimitOut:
+        body = request if isinstance(request, dict) else _body(request)
+        return self._typed(SpendLimitOut, "PUT", f"/v1/projects/{project}/spend-limit",
+                           json=body)
+
+
+    # checkpoints (``--checkpoint-dir``)
+    def list_checkpoints(self, pod: str) -> list[CheckpointOut]:
+        return self._typed(list[CheckpointOut], "GET", f"/v1/pods/{pod}/checkpoints")
+
+    def get_checkpoint(self, pod: str, checkpoint_id: str = "latest") -> CheckpointDetailOut:
+        return self._typed(CheckpointDetailOut, "GET",
+                           f"/v1/pods/{pod}/checkpoints/{checkpoint_id}")
+
+    def delete_checkpoints(self, pod: str, checkpoint_id: str | None = None) -> int:
+        """Delete one checkpoint of the pod, or (no id) all of them; returns how many."""
+        path = f"/v1/pods/{pod}/checkpoints" + (f"/{checkpoint_id}" if checkpoint_id else "")
+        return int(self._call("DELETE", path)["deleted"])
+
 
 class AgentClient(_Base):
     """The node agent's side of the protocol; authenticated with the node token."""
@@ -339,6 +434,63 @@ class AgentClient(_Base):
     def append_log(self, pod_id: str, chunk: AgentLogChunkRequest) -> int:
         body = self._call("POST", f"/v1/agent/pods/{pod_id}/logs", json=_body(chunk))
         return int(body["next_offset"])
+
+    def post_usage(self, batch: AgentUsageBatchRequest) -> AgentUsageBatchOut:
+        """Usage samples (agent/usage); idempotent per (pod, attempt, seq)."""
+        return self._typed(AgentUsageBatchOut, "POST", "/v1/agent/usage", json=_body(batch))
+
+    # checkpoints of --checkpoint-dir (services/checkpoints: upload, commit, restore)
+    def open_checkpoint_upload(self, pod_id: str,
+                               request: CheckpointMissingRequest) -> CheckpointMissingOut:
+        return self._typed(CheckpointMissingOut, "POST",
+                           f"/v1/agent/pods/{pod_id}/checkpoints/uploads", json=_body(request))
+
+    def checkpoint_chunk_status(self, pod_id: str, digest: str, fencing_token: int,
+                                attempt: int) -> ChunkUploadOut:
+        return self._typed(ChunkUploadOut, "GET",
+                           f"/v1/agent/pods/{pod_id}/checkpoint-chunks/{digest}/upload",
+                           params={"fencing_token": fencing_token, "attempt": attempt})
+
+    def put_checkpoint_chunk(self, pod_id: str, digest: str, data: bytes, start: int,
+                             total: int, fencing_token: int, attempt: int) -> ChunkUploadOut:
+        """One piece of a chunk at ``start`` (``Content-Range``) of its ``total`` bytes."""
+        headers = {"Content-Range": f"bytes {start}-{start + len(data) - 1}/{total}",
+                   "Content-Type": "application/octet-stream",
+                   "X-Gpucloud-Fencing-Token": str(fencing_token),
+                   "X-Gpucloud-Attempt": str(attempt)}
+        response = self._raw("PUT", f"/v1/agent/pods/{pod_id}/checkpoint-chunks/{digest}",
+                             content=data, headers=headers)
+        return ChunkUploadOut.model_validate_json(response.content)
+
+    def get_checkpoint_chunk(self, pod_id: str, digest: str, fencing_token: int,
+                             attempt: int) -> bytes:
+        return self._raw("GET", f"/v1/agent/pods/{pod_id}/checkpoint-chunks/{digest}",
+                         params={"fencing_token": fencing_token, "attempt": attempt}).content
+
+    def commit_checkpoint(self, pod_id: str, request: CheckpointCommitRequest) -> CheckpointOut:
+        return self._typed(CheckpointOut, "POST", f"/v1/agent/pods/{pod_id}/checkpoints",
+                           json=_body(request))
+
+    def pod_checkpoints(self, pod_id: str, fencing_token: int,
+                        attempt: int) -> list[CheckpointOut]:
+        return self._typed(list[CheckpointOut], "GET", f"/v1/agent/pods/{pod_id}/checkpoints",
+                           params={"fencing_token": fencing_token, "attempt": attempt})
+
+    def checkpoint_manifest(self, pod_id: str, checkpoint_id: str, fencing_token: int,
+                            attempt: int) -> Manifest:
+        return self._typed(Manifest, "GET",
+                           f"/v1/agent/pods/{pod_id}/checkpoints/{checkpoint_id}/manifest",
+                           params={"fencing_token": fencing_token, "attempt": attempt})
+
+    def reject_checkpoint(self, pod_id: str, checkpoint_id: str,
+                          request: CheckpointRejectRequest) -> None:
+        self._call("POST", f"/v1/agent/pods/{pod_id}/checkpoints/{checkpoint_id}/reject",
+                   json=_body(request))
+
+    def checkpoint_restored(self, pod_id: str, checkpoint_id: str,
+                            request: AgentCheckpointRequest) -> None:
+        self._call("POST", f"/v1/agent/pods/{pod_id}/checkpoints/{checkpoint_id}/restored",
+                   json=_body(request))
 
     def with_token(self, token: str) -> AgentClient:
         """A client for the same server authenticated with a node token."""

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from datetime import datetime, timedelta
 
 from sqlalchemy.exc import OperationalError
 
 from gpucloud.scheduler import Scheduler
-from gpucloud.services import gangs, leadership, max_duration, nodes, preemption, scheduling
+from gpucloud.services import (
+    drain,
+    gangs,
+    leadership,
+    max_duration,
+    metrics,
+    nodes,
+    preemption,
+    scheduling,
+    spend,
+)
 from gpucloud.services.context import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -29,7 +40,10 @@ class SchedulingController:
 
     def tick(self) -> scheduling.PassResult:
         """Place pending pods; for those that fit nowhere, preempt lower-priority work."""
+        started = time.perf_counter()
         result = scheduling.run_pass(self.ctx, self.scheduler)
+        metrics.observe_pass(time.perf_counter() - started,
+                             {k: len(getattr(result, k)) for k in metrics.PASS_OUTCOMES})
         if result.unschedulable:
             preemption.preempt_for_pods(self.ctx, self.scheduler, result.unschedulable)
         return result
@@ -65,6 +79,40 @@ class MaxDurationController:
         return max_duration.enforce(self.ctx)
 
 
+class CreditController:
+    """Stops, with a notice, the pods of projects whose prepaid credit ran out
+    (``services.spend``); at most every ``period_seconds``, as pricing reads the meter."""
+
+    name = "credit"
+
+    def __init__(self, ctx: ServiceContext, period_seconds: float = 10.0) -> None:
+        self.ctx = ctx
+        self.period = timedelta(seconds=period_seconds)
+        self._next: datetime | None = None
+
+    def tick(self) -> list[str]:
+        now = self.ctx.clock.now()
+        if self._next is not None and now < self._next:
+            return []
+        self._next = now + self.period
+        stopped = spend.enforce_credit(self.ctx)
+        for name in stopped:
+            log.warning("pod %s stopped: its project's prepaid credit ran out", name)
+        return stopped
+
+
+class DrainController:
+    """Drains nodes (``services.drain``): notices, requeues, deadlines, ``Drained``."""
+
+    name = "drain"
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    def tick(self) -> list[str]:
+        return drain.tick(self.ctx)
+
+
 class NodeLeaseController:
     """Marks nodes whose lease lapsed Lost.
 
@@ -89,6 +137,7 @@ class NodeLeaseController:
         if now < self._active_since + self.startup_grace:
             return []
         lost = nodes.expire_leases(self.ctx)
+        metrics.LEASES_EXPIRED.inc(len(lost))
         for name in lost:
             log.warning("node %s lost: its lease expired", name)
         return lost
@@ -105,6 +154,8 @@ class ControllerRunner:
         self.leases = NodeLeaseController(ctx)
         self.deadlines = MaxDurationController(ctx)
         self.jobs = JobController(ctx, self.scheduling.scheduler)
+        self.drains = DrainController(ctx)
+        self.credit = CreditController(ctx)
         self._leader_until: datetime | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -126,6 +177,8 @@ class ControllerRunner:
         if self._is_leader():
             self.leases.tick()
             self.deadlines.tick()
+            self.drains.tick()
+            self.credit.tick()
             self.jobs.tick()
             self.scheduling.tick()
 

@@ -91,6 +91,11 @@ class JobOut(ContainerSpecOut):
     barrier_released: bool = False
     desired_state: str = "running"
     members: list[JobMemberOut] = Field(default_factory=list)
+    #: The gang's preemptions (as a unit), the last reason and the run time they cost.
+    preemptions: int = 0
+    last_preemption_reason: str | None = None
+    last_preempted_at: datetime | None = None
+    time_lost_seconds: float = 0.0
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None

@@ -12,6 +12,8 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from gpucloud.core.access import NetworkVolumeMount, PodNetwork, PortMapping
+from gpucloud.core.capabilities import NodeCapabilities
+from gpucloud.core.checkpoints import CheckpointSummary
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.phases import NodeStatus, PodPhase, RestartPolicy
 from gpucloud.core.quantities import parse_duration
@@ -30,6 +32,7 @@ from gpucloud.core.spec import (
     _Request,
     _reraise,
 )
+from gpucloud.core.spot import NodeDrainOut, StopNotice
 
 #: The container spec's limits (``core.spec``) stay importable from here.
 __all__ = ["MAX_COMMAND_ARGS", "MAX_CPU_MILLI", "MAX_DISK_BYTES", "MAX_ENV_VARS",
@@ -110,6 +113,21 @@ class PodOut(ContainerSpecOut):
     #: The pod's address and ports (RunPod's ``runtime.ports``), once it has run.
     ip: str | None = None
     ports_runtime: list[PortMapping] = Field(default_factory=list)
+    #: Preemptions, drains and node losses it went through, the last one's reason
+    #: (``spot``, ``priority``, ``drain``, ``node-lost``) and time, and the run time they
+    #: cost (after the last committed checkpoint of each interrupted attempt).
+    preemptions: int = 0
+    last_preemption_reason: str | None = None
+    last_preempted_at: datetime | None = None
+    time_lost_seconds: float = 0.0
+    #: The latest committed checkpoint of its ``--checkpoint-dir`` (``pod get`` only).
+    last_checkpoint: CheckpointSummary | None = None
+    #: The checkpoint interval (docs/checkpoints.md, pods with a checkpoint dir): δ the
+    #: measured checkpoint cost, M the mean time between unannounced interruptions of its
+    #: priority class and node pool (per gang for a job's members), τ Daly's optimum.
+    checkpoint_cost_seconds: float | None = None
+    interruption_mtbf_seconds: float | None = None
+    checkpoint_interval_seconds: float | None = None
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None
@@ -170,6 +188,8 @@ class NodeRegisterRequest(_Request):
     network_mode: str | None = Field(default=None, pattern="^(bridge|host)$")
     #: How network volumes are mounted here: ``hostpath`` or ``nfs``.
     volume_mode: str | None = Field(default=None, pattern="^(hostpath|nfs)$")
+    #: What the agent's canaries found (CRIU dump and restore …); defaults: none.
+    capabilities: NodeCapabilities = Field(default_factory=NodeCapabilities)
 
 
 class NodeRegisterResponse(BaseModel):
@@ -278,6 +298,21 @@ class AssignmentOut(BaseModel):
     #: Credentials for the image's registry (``registry-auth``): username and password.
     registry_username: str | None = None
     registry_password: str | None = Field(default=None, repr=False)
+    #: Set when the server stops the pod for a preemption or a drain: the agent writes it
+    #: to /run/gpucloud/preempt, SIGTERMs the process group, SIGKILLs at the deadline.
+    stop_notice: StopNotice | None = None
+    #: ``--checkpoint-dir``: where the kept directory is mounted, what the store files its
+    #: checkpoints under (the pod id; ``<job id>-<rank>`` for a job's members) and the
+    #: checkpoint to restore before the command starts (None: none committed yet).
+    checkpoint_dir: str | None = None
+    checkpoint_key: str | None = None
+    restore_checkpoint: str | None = None
+    #: Send ``checkpoint_signal`` to the container every ``checkpoint_interval_seconds``
+    #: (Daly's τ); None: no periodic checkpoint request.
+    checkpoint_interval_seconds: float | None = None
+    checkpoint_signal: str | None = None
+    #: ``transparent``: the agent dumps the container with runc/CRIU (``--checkpoint``).
+    checkpoint_mode: str | None = None
 
 
 class AssignmentsOut(BaseModel):
@@ -310,6 +345,9 @@ class NodeOut(BaseModel):
     network_mode: str | None = None
     volume_mode: str | None = None
     access_endpoint: str | None = None
+    capabilities: NodeCapabilities = Field(default_factory=NodeCapabilities)
+    #: ``node drain``: its progress (None: not draining).
+    drain: NodeDrainOut | None = None
 
 
 class ProjectCreateRequest(_Request):
@@ -345,9 +383,31 @@ class ProjectCreatedOut(BaseModel):
     key: KeyCreatedOut
 
 
-class JoinTokenOut(BaseModel):
-    token: str
+class JoinTokenRequest(BaseModel):
+    """``POST /v1/nodes/join-tokens``: how many registrations and how long (both optional:
+    any number of registrations, the server's TTL)."""
+
+    model_config = {"extra": "forbid"}
+    uses: int | None = Field(default=None, ge=1, le=100_000)
+    ttl_seconds: float | None = Field(default=None, ge=60, le=366 * 86400)
+
+
+class JoinTokenInfoOut(BaseModel):
+    """A join token as listed: never its value (only the server's hash of it is kept)."""
+
+    id: str = ""
+    prefix: str | None = None
+    created_at: datetime | None = None
     expires_at: datetime
+    max_uses: int | None = None
+    uses: int = 0
+    revoked_at: datetime | None = None
+
+
+class JoinTokenOut(JoinTokenInfoOut):
+    """A new join token: its value is shown this once."""
+
+    token: str
 
 
 class ErrorOut(BaseModel):

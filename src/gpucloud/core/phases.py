@@ -21,6 +21,9 @@ class PodPhase(StrEnum):
 class NodeStatus(StrEnum):
     READY = "Ready"
     LOST = "Lost"
+    #: ``node drain``: shown from the drain's state; the lease status stays Ready/Lost.
+    DRAINING = "Draining"
+    DRAINED = "Drained"
 
 
 class RestartPolicy(StrEnum):

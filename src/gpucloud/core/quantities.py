@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from gpucloud.core.errors import InvalidInput
@@ -16,6 +17,9 @@ _MEMORY_UNITS: dict[str, int] = {
 _CPU = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(m)?\s*$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])?\s*$")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+#: Past any quantity gpucloud accepts (every caller bounds its own), and within BIGINT:
+#: a larger one is refused here, before float arithmetic overflows.
+MAX_QUANTITY = 2**62
 
 
 def parse_memory(field: str, value: str | int) -> int:
@@ -28,7 +32,15 @@ def parse_memory(field: str, value: str | int) -> int:
     if not match:
         raise InvalidInput(field, f"{value!r} is not a memory quantity such as 512Mi or 16Gi")
     number, unit = match.groups()
-    return int(float(number) * _MEMORY_UNITS[unit or ""])
+    return _bounded_int(field, float(number) * _MEMORY_UNITS[unit or ""])
+
+
+def _bounded_int(field: str, value: float, rounded: bool = False) -> int:
+    """``value`` as an int (rounded, or else truncated), or InvalidInput past
+    :data:`MAX_QUANTITY` (``int(1e308 * 1000)`` would raise OverflowError)."""
+    if not math.isfinite(value) or abs(value) > MAX_QUANTITY:
+        raise InvalidInput(field, "is too large")
+    return round(value) if rounded else int(value)
 
 
 def parse_cpu_milli(field: str, value: str | float | int) -> int:
@@ -38,12 +50,14 @@ def parse_cpu_milli(field: str, value: str | float | int) -> int:
     if isinstance(value, int | float):
         if value < 0:
             raise InvalidInput(field, "must not be negative")
-        return int(round(value * 1000))
+        return _bounded_int(field, float(value) * 1000, rounded=True)
+    if not isinstance(value, str):
+        raise InvalidInput(field, "must be a number of cores")
     match = _CPU.match(value)
     if not match:
         raise InvalidInput(field, f"{value!r} is not a CPU quantity such as 2, 0.5 or 500m")
     number, milli = match.groups()
-    return int(round(float(number) * (1 if milli else 1000)))
+    return _bounded_int(field, float(number) * (1 if milli else 1000), rounded=True)
 
 
 def parse_duration(field: str, value: str | float | int) -> float:
@@ -53,14 +67,16 @@ def parse_duration(field: str, value: str | float | int) -> float:
         raise InvalidInput(field, "must be a duration such as 90, 30m or 2h")
     if isinstance(value, int | float):
         seconds = float(value)
+    elif not isinstance(value, str):
+        raise InvalidInput(field, "must be a duration such as 90, 30m or 2h")
     else:
         match = _DURATION.match(value)
         if not match:
             raise InvalidInput(field, f"{value!r} is not a duration such as 90, 30m or 2h")
         number, unit = match.groups()
         seconds = float(number) * _DURATION_UNITS[unit or ""]
-    if seconds <= 0:
-        raise InvalidInput(field, "must be positive")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidInput(field, "must be a positive, finite number of seconds")
     return seconds
 
 

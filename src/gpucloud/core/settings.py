@@ -18,6 +18,10 @@ class Settings:
     admin_key: str | None = None
     lease_ttl_seconds: float = 10.0
     join_token_ttl_seconds: float = 24 * 3600.0
+    #: Failed authentications allowed per client address (and per key prefix) in a
+    #: burst, and how many more per minute after it (services/ratelimit.py).
+    auth_failure_burst: int = 20
+    auth_failures_per_minute: float = 10.0
     scheduler_interval_seconds: float = 1.0
     scheduler_profile: str = "default"
     restart_backoff_seconds: float = 5.0
@@ -27,6 +31,12 @@ class Settings:
     #: The grace period of preempted pods (SIGTERM, then SIGKILL); None: the pod's own
     #: stop grace, else the agent's default.
     preemption_grace_seconds: float | None = None
+    #: A preempted pod is kept off the node it was preempted from for this long.
+    preempted_avoid_seconds: float = 300.0
+    #: ``node drain``: how many nodes drain at once (the others wait, cordoned), and the
+    #: deadline after which what still runs on a draining node is stopped.
+    max_draining_nodes: int = 1
+    drain_deadline_seconds: float = 600.0
     #: The HTTP proxy serves ``{pod-id}-{port}.{proxy_domain}`` (Host header, any port).
     proxy_domain: str = "localhost"
     #: A proxied request or WebSocket with no bytes either way for this long is closed
@@ -39,6 +49,22 @@ class Settings:
     ssh_host: str = "127.0.0.1"
     #: Let several server processes (``--workers``) share the SSH port (SO_REUSEPORT).
     ssh_reuse_port: bool = False
+    #: Where checkpoints are kept: None, the embedded store under ``home``; or
+    #: ``s3://bucket/prefix`` (boto3, the usual AWS variables).
+    checkpoint_store: str | None = None
+    #: Committed checkpoints kept per pod (each gang member by rank).
+    checkpoint_retention: int = 2
+    #: An upload that has not committed for this long may have its chunks collected.
+    checkpoint_upload_ttl_seconds: float = 3600.0
+    #: The checkpoint interval (docs/checkpoints.md): δ before any measured checkpoint,
+    #: the prior M (one interruption per this long, worth one observation), and the
+    #: operator's bounds on τ (no request storm; a bounded loss). Env:
+    #: GPUCLOUD_CHECKPOINT_COST_DEFAULT, GPUCLOUD_INTERRUPTION_PRIOR_MTBF,
+    #: GPUCLOUD_CHECKPOINT_INTERVAL_MIN, GPUCLOUD_CHECKPOINT_INTERVAL_MAX (seconds).
+    checkpoint_cost_default_seconds: float = 60.0
+    interruption_prior_mtbf_seconds: float = 24 * 3600.0
+    checkpoint_interval_min_seconds: float = 60.0
+    checkpoint_interval_max_seconds: float | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -52,12 +78,23 @@ class Settings:
             scheduler_profile=os.environ.get("GPUCLOUD_SCHEDULER_PROFILE", "default"),
             preemption_grace_seconds=_optional_float(
                 os.environ.get("GPUCLOUD_PREEMPTION_GRACE")),
+            max_draining_nodes=int(os.environ.get("GPUCLOUD_MAX_DRAINING_NODES", "1")),
             proxy_domain=os.environ.get("GPUCLOUD_PROXY_DOMAIN") or "localhost",
             proxy_idle_timeout_seconds=float(os.environ.get("GPUCLOUD_PROXY_IDLE_TIMEOUT",
                                                             "3600")),
             ssh_port=_optional_int(os.environ.get("GPUCLOUD_SSH_PORT")),
             ssh_host=os.environ.get("GPUCLOUD_SSH_HOST") or "127.0.0.1",
             ssh_reuse_port=os.environ.get("GPUCLOUD_SSH_REUSE_PORT") == "1",
+            checkpoint_store=os.environ.get("GPUCLOUD_CHECKPOINT_STORE") or None,
+            checkpoint_retention=int(os.environ.get("GPUCLOUD_CHECKPOINT_RETENTION", "2")),
+            checkpoint_cost_default_seconds=float(
+                os.environ.get("GPUCLOUD_CHECKPOINT_COST_DEFAULT", "60")),
+            interruption_prior_mtbf_seconds=float(
+                os.environ.get("GPUCLOUD_INTERRUPTION_PRIOR_MTBF", "86400")),
+            checkpoint_interval_min_seconds=float(
+                os.environ.get("GPUCLOUD_CHECKPOINT_INTERVAL_MIN", "60")),
+            checkpoint_interval_max_seconds=_optional_float(
+                os.environ.get("GPUCLOUD_CHECKPOINT_INTERVAL_MAX")),
         )
 
 

@@ -12,9 +12,19 @@ import re
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
 from gpucloud.core.access import DEFAULT_VOLUME_PATH, check_mount_path
+from gpucloud.core.capabilities import CHECKPOINT_MODES
+from gpucloud.core.checkpoint_interval import CHECKPOINT_SIGNALS
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.gpu_models import canonical_name, is_well_formed
 from gpucloud.core.image_ref import parse_reference
@@ -49,7 +59,10 @@ def _dns_name(value: str) -> str:
 
 
 #: A user-chosen name: a DNS label (lower-case letters, digits, '-'; at most 63).
-DnsName = Annotated[str, AfterValidator(_dns_name)]
+#: The JSON schema says what ``check_dns_label`` checks (the validator keeps its messages).
+DnsName = Annotated[str, AfterValidator(_dns_name),
+                    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 63,
+                                    "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"})]
 
 
 def check_gpus(value: float) -> float:
@@ -112,6 +125,45 @@ class ContainerSpec(_Request):
     network_volumes: list[str] = Field(default_factory=list, max_length=16)
     #: Registry credentials (``gpucloud registry-auth``) to pull the image with.
     registry_auth: DnsName | None = None
+    #: Spot work (``--spot``): the ``spot`` priority class, preempted with a notice and
+    #: requeued elsewhere (docs/spot.md); ``bid`` is recorded (a price per GPU-hour).
+    spot: bool = False
+    bid: float | None = Field(default=None, gt=0, le=1_000_000)
+    #: Seconds between the preemption notice (SIGTERM) and SIGKILL (default 30).
+    grace: float | None = Field(default=None, ge=0, le=3600)
+    #: A directory the platform keeps (``--checkpoint-dir /ckpt``): committed checkpoints
+    #: are uploaded and restored before the next start, on any node (docs/checkpoints.md).
+    checkpoint_dir: str | None = None
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _checkpoint_dir(cls, value: str | None) -> str | None:
+        return None if value is None else check_mount_path(value)
+
+    #: The checkpoint request the pod receives every τ (Young/Daly, docs/checkpoints.md):
+    #: a signal name such as ``SIGUSR1`` (the default) or ``USR2``.
+    checkpoint_signal: str | None = None
+    #: ``directory`` (the default with a checkpoint dir: the program writes its own) or
+    #: ``transparent`` (the node dumps the container with runc/CRIU; CPU pods only).
+    checkpoint: str | None = None
+
+    @field_validator("checkpoint_signal")
+    @classmethod
+    def _checkpoint_signal(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = value.strip().upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name not in CHECKPOINT_SIGNALS:
+            raise ValueError(f"{value!r} is not one of {', '.join(CHECKPOINT_SIGNALS)}")
+        return name
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _checkpoint_mode(cls, value: str | None) -> str | None:
+        if value is not None and value not in CHECKPOINT_MODES:
+            raise ValueError(f"{value!r} is not one of {', '.join(CHECKPOINT_MODES)}")
+        return value
 
     @field_validator("image")
     @classmethod
@@ -247,6 +299,12 @@ class ContainerSpecOut(BaseModel):
     container_disk: int | None = None
     network_volumes: list[str] = Field(default_factory=list)
     registry_auth: str | None = None
+    spot: bool = False
+    bid: float | None = None
+    grace: float | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_signal: str | None = None
+    checkpoint: str | None = None
 
 
 class TemplateCreateRequest(ContainerSpec):

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -70,6 +71,18 @@ class ContainerSpecColumns:
     container_disk_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     network_volumes: Mapped[list[dict[str, str]] | None] = mapped_column(JSON, default=None)
     registry_auth: Mapped[str | None] = mapped_column(String(63), default=None)
+    #: ``--spot`` (preempted with a notice and requeued elsewhere), the recorded ``--bid``
+    #: and ``--grace`` (seconds from the notice to SIGKILL) (migration 0007).
+    spot: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    bid: Mapped[float | None] = mapped_column(Float, default=None)
+    grace_seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    #: ``--checkpoint-dir``: the container path whose committed checkpoints are kept
+    #: (migration 0008).
+    checkpoint_dir: Mapped[str | None] = mapped_column(String(255), default=None)
+    #: ``--checkpoint-signal`` (None: SIGUSR1) and ``--checkpoint directory|transparent``
+    #: (None: directory when a checkpoint dir is set) (migration 0009).
+    checkpoint_signal: Mapped[str | None] = mapped_column(String(16), default=None)
+    checkpoint_mode: Mapped[str | None] = mapped_column(String(16), default=None)
 
 
 class ProjectModel(Base):
@@ -97,6 +110,11 @@ class JoinTokenModel(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime]
     expires_at: Mapped[datetime]
+    prefix: Mapped[str | None] = mapped_column(String(16))
+    #: Registrations allowed (None: any number until ``expires_at``) and made so far.
+    max_uses: Mapped[int | None] = mapped_column(Integer)
+    uses: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    revoked_at: Mapped[datetime | None]
 
 
 class NodeModel(Base):
@@ -125,6 +143,21 @@ class NodeModel(Base):
     network_mode: Mapped[str | None] = mapped_column(String(16), default=None)
     #: How the node mounts network volumes: ``nfs`` or ``hostpath``.
     volume_mode: Mapped[str | None] = mapped_column(String(16), default=None)
+    #: ``gpucloud node drain`` (migration 0007): ``core.spot.DrainState`` (None: not
+    #: draining), when it was asked, when it started (its pods noticed), the deadline after
+    #: which what is left is stopped, when it ended empty, and how many pods it had.
+    drain_state: Mapped[str | None] = mapped_column(String(16), default=None)
+    drain_requested_at: Mapped[datetime | None] = mapped_column(default=None)
+    drain_started_at: Mapped[datetime | None] = mapped_column(default=None)
+    drain_deadline_seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    drain_finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    drain_pods_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    #: What the node's canaries found it can do (``core.capabilities.NodeCapabilities``:
+    #: CRIU dump and restore, cuda-checkpoint) (migration 0009).
+    capabilities: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    #: When the lease was last granted or renewed (migration 0011): a lost node's pods are
+    #: metered up to here, not to when the loss was noticed.
+    lease_renewed_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class PodModel(ContainerSpecColumns, Base):
@@ -200,6 +233,19 @@ class PodModel(ContainerSpecColumns, Base):
     #: keeps its copy, and lets only the destination fetch it, until the copy is confirmed).
     volume_source_node_id: Mapped[str | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), default=None)
+    #: Preemptions (migration 0007): how often the pod was preempted, drained or lost with
+    #: its node; the last reason (``core.spot.StopReason``) and time; the run time lost
+    #: (seconds of the interrupted attempts after their last checkpoint); the notice of
+    #: the stop under way (``core.spot.StopNotice`` as JSON, for its attempt); and the
+    #: node it was preempted from, avoided by the scheduler until ``avoid_until``.
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_preemption_reason: Mapped[str | None] = mapped_column(String(16), default=None)
+    last_preempted_at: Mapped[datetime | None] = mapped_column(default=None)
+    time_lost_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    stop_notice: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    avoid_node_id: Mapped[str | None] = mapped_column(
+        ForeignKey("nodes.id", ondelete="SET NULL"), default=None)
+    avoid_until: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class JobModel(ContainerSpecColumns, Base):
@@ -246,6 +292,11 @@ class JobModel(ContainerSpecColumns, Base):
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     ready_timeout_seconds: Mapped[float] = mapped_column(Float)
     ready_timeouts: Mapped[int] = mapped_column(Integer, default=0)
+    #: Preemptions of the gang as a unit (migration 0007), as on pods.
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_preemption_reason: Mapped[str | None] = mapped_column(String(16), default=None)
+    last_preempted_at: Mapped[datetime | None] = mapped_column(default=None)
+    time_lost_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     scheduled_at: Mapped[datetime | None]
     barrier_released_at: Mapped[datetime | None]
     not_before: Mapped[datetime | None]
@@ -363,6 +414,53 @@ class PodLogChunkModel(Base):
     data: Mapped[str] = mapped_column(Text)
 
 
+class CheckpointModel(Base):
+    """A committed checkpoint of a ``--checkpoint-dir`` (its manifest is in the store).
+
+    ``key`` is what the store files it under (the pod id, ``<job id>-<rank>`` for a job's
+    members); ``state`` is ``committed`` or ``corrupt`` (a restore found a bad chunk);
+    ``cost_seconds`` is δ, from the program's commit marker to the committed manifest.
+    """
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("project_id", "key", "attempt", "seq",
+                                       name="uq_checkpoints_key_attempt_seq"),
+                      Index("ix_checkpoints_pod", "pod_id"))
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(80))
+    pod_id: Mapped[str | None] = mapped_column(ForeignKey("pods.id", ondelete="SET NULL"))
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    manifest: Mapped[str] = mapped_column(String(255))
+    state: Mapped[str] = mapped_column(String(16))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    files: Mapped[int] = mapped_column(Integer)
+    chunks: Mapped[int] = mapped_column(Integer)
+    bytes_sent: Mapped[int] = mapped_column(BigInteger)
+    cost_seconds: Mapped[float | None] = mapped_column(Float)
+    #: Every chunk its manifest references (the collector keeps these).
+    digests: Mapped[list[str]] = mapped_column(JSON)
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+
+
+class CheckpointUploadModel(Base):
+    """An upload in progress: the chunks it may reference are never collected until it
+    commits (the row goes in the commit's transaction) or expires."""
+
+    __tablename__ = "checkpoint_uploads"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(80))
+    pod_id: Mapped[str | None] = mapped_column(ForeignKey("pods.id", ondelete="SET NULL"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    digests: Mapped[list[str]] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+
+
 class ControllerLeaseModel(Base):
     """Which server replica runs a given controller loop, and until when."""
 
@@ -371,3 +469,95 @@ class ControllerLeaseModel(Base):
     holder: Mapped[str] = mapped_column(String(64))
     expires_at: Mapped[datetime]
     token: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class UsageSampleModel(Base):
+    """One usage sample of a pod attempt on a node (migration 0011), keyed by (node, pod,
+    attempt, seq) so a resent batch stores nothing twice. Counters are cumulative since
+    the container started; ``gpu_util_percent`` is the mean over the sample's GPUs and
+    ``gpu_memory_bytes`` their sum (None: not measured); ``gpus`` keeps them per GPU."""
+
+    __tablename__ = "usage_samples"
+    __table_args__ = (Index("ix_usage_samples_node_time", "node_id", "time"),)
+    #: No foreign keys: ingest stays one plain insert, and usage outlives its pod row.
+    node_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    pod_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    time: Mapped[datetime]
+    cpu_seconds: Mapped[float] = mapped_column(Float)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    memory_peak_bytes: Mapped[int] = mapped_column(BigInteger)
+    gpu_util_percent: Mapped[float | None] = mapped_column(Float)
+    gpu_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    gpus: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    net_rx_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    net_tx_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    disk_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    received_at: Mapped[datetime]
+
+
+class PodRunModel(Base):
+    """The meter (migration 0011): one row per pod attempt's ``Running`` interval, opened
+    and closed by its phase transitions (services/usage). What the attempt was allocated
+    is copied at the start, so later changes to the pod never rewrite billed history;
+    ``ended_at`` is the transition's time, or the node's last lease renewal when the node
+    was lost; ``credited``: ended by a hardware fault, not charged."""
+
+    __tablename__ = "pod_runs"
+    __table_args__ = (Index("ix_pod_runs_project_started", "project_id", "started_at"),)
+    #: Billed history outlives the pod's row: no foreign key to it.
+    pod_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    job_id: Mapped[str | None] = mapped_column(String(32))
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
+    gpu_type: Mapped[str | None] = mapped_column(String(64))
+    gpus: Mapped[float] = mapped_column(Float)
+    gpu_milli: Mapped[int] = mapped_column(Integer)
+    mig_profile: Mapped[str | None] = mapped_column(String(16))
+    cpu_milli: Mapped[int] = mapped_column(BigInteger)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    volume_bytes: Mapped[int] = mapped_column(BigInteger)
+    priority_class: Mapped[str | None] = mapped_column(String(63))
+    spot: Mapped[bool] = mapped_column(Boolean)
+    started_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+    end_reason: Mapped[str | None] = mapped_column(String(200))
+    credited: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class PriceModel(Base):
+    """One version of a price (migration 0012): ``micros`` per unit (GPU-hour, core-hour,
+    GiB-month) of ``resource`` for a GPU model, MIG profile and class, from
+    ``effective_at`` until the next version of the same key. ``''`` stands for "none" in
+    the key columns, so the unique index works on both databases."""
+
+    __tablename__ = "prices"
+    __table_args__ = (UniqueConstraint("resource", "gpu_model", "mig_profile", "price_class",
+                                       "effective_at", name="uq_prices_key_effective"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    resource: Mapped[str] = mapped_column(String(16))
+    gpu_model: Mapped[str] = mapped_column(String(64), default="")
+    mig_profile: Mapped[str] = mapped_column(String(16), default="")
+    price_class: Mapped[str] = mapped_column(String(16))
+    micros: Mapped[int] = mapped_column(BigInteger)
+    effective_at: Mapped[datetime]
+    created_at: Mapped[datetime]
+
+
+class SpendLimitModel(Base):
+    """A project's spend limit and prepaid credit (migration 0012). ``per_hour_micros``:
+    the most its admitted pods may cost per hour (None: none); ``credit_micros``: a prepaid
+    balance spent by usage since ``credit_since`` (None: postpaid); ``exhausted_at``: when
+    the balance ran out and its pods were stopped."""
+
+    __tablename__ = "spend_limits"
+    project_id: Mapped[str] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    per_hour_micros: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    credit_micros: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    credit_since: Mapped[datetime | None] = mapped_column(default=None)
+    exhausted_at: Mapped[datetime | None] = mapped_column(default=None)
+    updated_at: Mapped[datetime]
+    version: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -17,6 +17,8 @@ from gpucloud.images.archive import ArchiveImporter
 from gpucloud.images.auth import Credentials
 from gpucloud.images.client import RegistryClient
 from gpucloud.images.errors import ImageNotFound, InvalidImage
+from gpucloud.images.lazy.client import LazyfsClient
+from gpucloud.images.lazy.mounter import LazyMounter
 from gpucloud.images.manifest import (
     Manifest,
     Platform,
@@ -36,7 +38,9 @@ class ImageManager:
     ``credentials`` maps registries (``docker.io``, ``ghcr.io``, ``127.0.0.1:5000``) to
     their login; ``insecure`` lists non-loopback registries reached over plain HTTP;
     ``transport`` replaces the network in tests; ``platform`` overrides the host's;
-    ``rootfs_mode`` forces overlay or copy (default: overlay when root and supported).
+    ``rootfs_mode`` forces overlay or copy (default: overlay when root and supported);
+    ``lazy`` (a ``LazyfsClient``) mounts eStargz layers lazily instead of pulling them
+    (overlay mode only; see ``images.lazy``).
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class ImageManager:
         platform: Platform | None = None,
         rootfs_mode: RootfsMode | None = None,
         max_parallel_downloads: int = 4,
+        lazy: LazyfsClient | None = None,
     ) -> None:
         self.root = state_dir / "images"
         self.platform = platform or host_platform()
@@ -60,8 +65,12 @@ class ImageManager:
         self._client = RegistryClient(
             credentials=credentials, insecure=self._insecure, transport=transport
         )
+        self.lazy = None if lazy is None else LazyMounter(
+            lazy, self._client, self._blobs, credentials or {}, self._insecure)
+        self._skip = self.lazy.skips_download if self.lazy is not None else None
         self._puller = Puller(
-            self._client, self._blobs, self._index, self.platform, max_parallel_downloads
+            self._client, self._blobs, self._index, self.platform, max_parallel_downloads,
+            self._skip,
         )
         self._rootfs_mode = rootfs_mode
         self._builder: RootfsBuilder | None = None
@@ -104,7 +113,7 @@ class ImageManager:
         with RegistryClient(credentials={ref.registry: credentials}, insecure=self._insecure,
                             transport=self._transport) as client:
             puller = Puller(client, self._blobs, self._index, self.platform,
-                            self._max_parallel_downloads)
+                            self._max_parallel_downloads, self._skip)
             return puller.pull(ref, on_progress)
 
     def get(self, image: str | ImageReference) -> Image:
@@ -118,6 +127,18 @@ class ImageManager:
     def list_images(self) -> list[ImageRecord]:
         """Every image in the local store, by reference."""
         return self._index.all()
+
+    def local_bytes(self, record: ImageRecord) -> tuple[int, int]:
+        """(bytes on this node, bytes in all) of a stored image's layers: lazy layers count
+        their cached chunks, pulled layers their blobs."""
+        manifest = parse_manifest_or_index(self._blobs.read(record.manifest_digest))
+        if not isinstance(manifest, Manifest):
+            return 0, 0
+        got = self.lazy.local_bytes(manifest.layers) if self.lazy is not None else None
+        if got is not None:
+            return got
+        sizes = [(layer.size, self._blobs.has(layer.digest)) for layer in manifest.layers]
+        return sum(size for size, here in sizes if here), sum(size for size, _ in sizes)
 
     def import_archive(self, path: Path, name: str | None = None) -> list[Image]:
         """Import an OCI layout (dir or tar) or ``docker save`` tarball; return its images.
@@ -142,7 +163,8 @@ class ImageManager:
 
     def _rootfs(self) -> RootfsBuilder:
         if self._builder is None:
-            self._builder = RootfsBuilder(self._blobs, self.root, self.platform, self._rootfs_mode)
+            self._builder = RootfsBuilder(self._blobs, self.root, self.platform, self._rootfs_mode,
+                                          self.lazy)
         return self._builder
 
     def _cached(self, ref: ImageReference) -> Image | None:
@@ -152,7 +174,8 @@ class ImageManager:
         manifest = parse_manifest_or_index(self._blobs.read(record.manifest_digest))
         if not isinstance(manifest, Manifest):
             raise InvalidImage(f"stored image {ref} has no image manifest")
-        if not all(self._blobs.has(layer.digest) for layer in manifest.layers):
+        if not all(self._blobs.has(layer.digest) or (self._skip is not None and self._skip(layer))
+                   for layer in manifest.layers):
             return None
         config = parse_config(self._blobs.read(record.config_digest))
         return Image(str(ref), record.manifest_digest, manifest, record.config_digest, config)

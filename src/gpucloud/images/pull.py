@@ -76,12 +76,15 @@ class Puller:
         index: ImageIndex,
         platform: Platform,
         max_workers: int = 4,
+        skip: Callable[[Descriptor], bool] | None = None,
     ) -> None:
+        """``skip`` names layers not to download (lazily mounted eStargz layers)."""
         self._client = client
         self._blobs = blobs
         self._index = index
         self._platform = platform
         self._max_workers = max_workers
+        self._skip = skip
 
     def pull(self, image: ImageReference, on_progress: ProgressCallback | None = None) -> Image:
         """Fetch ``image`` (by tag or digest), store it and index it under its reference."""
@@ -89,7 +92,8 @@ class Puller:
         config_data = self._fetch_small(image, manifest.config)
         config = parse_config(config_data)
         check_config_platform(config, str(image), self._platform)
-        missing = [d for d in manifest.layers if not self._blobs.has(d.digest)]
+        missing = [d for d in manifest.layers if not self._blobs.has(d.digest)
+                   and not (self._skip is not None and self._skip(d))]
         progress = _Progress(sum(d.size for d in missing), on_progress)
         self._download_layers(image, missing, progress)
         self._index.put(

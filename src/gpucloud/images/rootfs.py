@@ -24,9 +24,10 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Protocol
 
 from gpucloud.images.errors import DigestMismatch, InvalidImage
-from gpucloud.images.manifest import Platform, check_config_platform
+from gpucloud.images.manifest import Descriptor, Platform, check_config_platform
 from gpucloud.images.pull import Image
 from gpucloud.images.store import BlobStore, digest_hex, remove_tree
 from gpucloud.images.unpack import Whiteouts, unpack_layer
@@ -82,16 +83,31 @@ def detect_mode(scratch: Path) -> RootfsMode:
     return RootfsMode.OVERLAY
 
 
+class LazyLayers(Protocol):
+    """Lazily mounted layers (``images.lazy.mounter.LazyMounter``), held per pod bundle."""
+
+    def mount(self, image: Image, layer: Descriptor, bundle: Path) -> Path | None:
+        """The layer's read-only mount for this pod, or None to unpack its blob."""
+
+    def release(self, bundle: Path) -> None:
+        """Drop the pod's holds on its mounts."""
+
+
 class RootfsBuilder:
-    """Prepares and releases pod root filesystems from images in a ``BlobStore``."""
+    """Prepares and releases pod root filesystems from images in a ``BlobStore``.
+
+    With ``lazy``, eStargz layers are lower dirs mounted by the node's lazyfs daemon instead
+    of unpacked directories (overlay mode only: the copy mode would read every byte)."""
 
     def __init__(
-        self, blobs: BlobStore, root: Path, platform: Platform, mode: RootfsMode | None = None
+        self, blobs: BlobStore, root: Path, platform: Platform, mode: RootfsMode | None = None,
+        lazy: LazyLayers | None = None,
     ) -> None:
         self._blobs = blobs
         self._root = root
         self._platform = platform
         self.mode = mode or detect_mode(root / "tmp")
+        self._lazy = lazy if self.mode is RootfsMode.OVERLAY else None
 
     def prepare(self, image: Image, bundle: Path) -> Path:
         """Create ``bundle/rootfs`` for a pod of ``image`` and return its path."""
@@ -112,14 +128,23 @@ class RootfsBuilder:
         unmount(rootfs)
         remove_tree(rootfs)
         remove_tree(bundle / "overlay")
+        if self._lazy is not None:
+            self._lazy.release(bundle)
 
-    def layer_dirs(self, image: Image) -> list[Path]:
-        """The unpacked layer directories of ``image`` (base first), unpacking as needed."""
+    def layer_dirs(self, image: Image, bundle: Path | None = None) -> list[Path]:
+        """The layer directories of ``image`` (base first): unpacked as needed, or (for the
+        pod at ``bundle``) lazily mounted."""
         pairs = zip(image.manifest.layers, image.config.diff_ids, strict=True)
-        return [self._unpacked_layer(layer.digest, diff_id) for layer, diff_id in pairs]
+        dirs = []
+        for layer, diff_id in pairs:
+            mounted = None
+            if self._lazy is not None and bundle is not None:
+                mounted = self._lazy.mount(image, layer, bundle)
+            dirs.append(mounted or self._unpacked_layer(layer.digest, diff_id))
+        return dirs
 
     def _prepare_overlay(self, image: Image, bundle: Path, rootfs: Path) -> None:
-        lowers = [self._short_link(path) for path in self.layer_dirs(image)]
+        lowers = [self._short_link(path) for path in self.layer_dirs(image, bundle)]
         if not lowers:
             lowers = [self._empty_layer()]
         upper, work = bundle / "overlay" / "upper", bundle / "overlay" / "work"

@@ -15,7 +15,6 @@ and does not download it again. Layers are shared by every image and pod on the 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from gpucloud.core.filelock import file_lock
 from gpucloud.images.errors import DigestMismatch, ImageNotFound
 from gpucloud.images.reference import is_digest
 
@@ -37,18 +37,6 @@ def digest_hex(digest: str) -> str:
     if not is_digest(digest):
         raise ValueError(f"not a sha256 digest: {digest!r}")
     return digest.split(":", 1)[1]
-
-
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path``: excludes other processes and other threads."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 class BlobStore:

@@ -13,6 +13,8 @@ Entry names containing ``..`` that would climb out, hard links to outside, and r
 symlink targets that climb above the root are refused with ``UnsafeLayer``.
 
 The uncompressed tar stream is hashed while it is read, giving the layer's ``diff_id``.
+The root-level ``stargz.index.json``, ``.prefetch.landmark`` and ``.no.prefetch.landmark`` of
+an eStargz layer are skipped (still hashed), so a full pull gives the same rootfs as a lazy mount.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import zstandard
 from typing_extensions import Buffer
 
 from gpucloud.images.errors import InvalidImage, UnsafeLayer
+from gpucloud.images.lazy.toc import HIDDEN_ROOT_NAMES
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -125,8 +128,8 @@ class _Unpacker:
 
     def add(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         rel = _clean_name(member.name)
-        if rel == "":
-            return
+        if rel == "" or rel in HIDDEN_ROOT_NAMES:
+            return  # an eStargz layer's TOC and landmark are not part of the rootfs
         parent_rel, base = posixpath.split(rel)
         if base.startswith(WHITEOUT_PREFIX):
             self._whiteout(parent_rel, base)

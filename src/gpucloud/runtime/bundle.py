@@ -234,6 +234,7 @@ def _config(
             "resources": _resources(spec),
             "maskedPaths": list(oci.MASKED_PATHS),
             "readonlyPaths": list(oci.READONLY_PATHS),
+            "seccomp": oci.seccomp_profile(),
         },
     }
 

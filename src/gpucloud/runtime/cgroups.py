@@ -39,6 +39,15 @@ def memory_cgroup_dir(
     pid: int, proc: Path = Path("/proc"), mountinfo: Path = Path("/proc/self/mountinfo")
 ) -> Path | None:
     """The directory of ``pid``'s memory cgroup (v1 memory controller, else v2)."""
+    return cgroup_dir(pid, "memory", proc, mountinfo)
+
+
+def cgroup_dir(
+    pid: int, controller: str, proc: Path = Path("/proc"),
+    mountinfo: Path = Path("/proc/self/mountinfo"),
+) -> Path | None:
+    """The directory of ``pid``'s cgroup for ``controller`` (``memory``, ``cpuacct`` …):
+    the v1 hierarchy with that controller, else the v2 (unified) one."""
     try:
         lines = (proc / str(pid) / "cgroup").read_text().splitlines()
         mounts = _mounts(mountinfo)
@@ -46,9 +55,9 @@ def memory_cgroup_dir(
         return None
     entries = [line.split(":", 2) for line in lines if line.count(":") >= 2]
     for _, controllers, path in entries:
-        if "memory" in controllers.split(","):
+        if controller in controllers.split(","):
             for mount in mounts:
-                if mount.fstype == "cgroup" and "memory" in mount.super_options:
+                if mount.fstype == "cgroup" and controller in mount.super_options:
                     return _host_path(mount, path)
     for hierarchy, controllers, path in entries:
         if hierarchy == "0" and controllers == "":

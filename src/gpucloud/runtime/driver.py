@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -28,10 +29,14 @@ from typing import Any
 
 from gpucloud.core.errors import Conflict, InvalidInput, NotFound
 from gpucloud.gpu.cdi import ContainerEdits
+from gpucloud.runtime import criu
 from gpucloud.runtime.bundle import Bundle, ContainerSpec, ImageConfig, build_bundle
 from gpucloud.runtime.errors import RuncError
 from gpucloud.runtime.layout import CONTAINER_ID, ContainerPaths, read_json, write_json_atomic
 from gpucloud.runtime.supervisor import runc_error
+from gpucloud.runtime.zygote import Zygote, ZygoteUnavailable
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RUNC = "/usr/bin/runc"
 DEFAULT_GRACE_SECONDS = 30.0
@@ -57,6 +62,8 @@ class ExitInfo:
     oom_killed: bool = False
     stop_requested: bool = False
     killed_after_grace: bool = False
+    #: Ended by ``runc checkpoint`` (``dump``): its processes are in the dump.
+    checkpointed: bool = False
     started_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
@@ -89,12 +96,15 @@ class ContainerStatus:
 
 
 def _pid_alive(pid: int, marker: str) -> bool:
-    """Whether ``pid`` runs and its command line mentions ``marker`` (no pid reuse)."""
+    """Whether ``pid`` runs and is the supervisor of the container directory ``marker``
+    (no pid reuse): a supervisor works in its container's directory, and one started by
+    ``python -m`` names it on its command line too (one forked by the zygote does not)."""
     try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return marker.encode() in cmdline and not _is_zombie(pid)
+    return (cwd == marker or marker.encode() in cmdline) and not _is_zombie(pid)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -113,11 +123,15 @@ class RuncDriver:
         runc: str = DEFAULT_RUNC,
         python: str = sys.executable,
         start_timeout: float = START_TIMEOUT_SECONDS,
+        zygote: bool = True,
     ) -> None:
         self.state_dir = state_dir.resolve()
         self.runc = runc
         self.python = python
         self.start_timeout = start_timeout
+        #: Starts supervisors by forking one kept interpreter (runtime/zygote); None: each
+        #: start runs ``python -m gpucloud.runtime.supervisor``.
+        self.zygote = Zygote(python) if zygote else None
         self.runc_root = self.state_dir / "runc"
         self.containers_dir = self.state_dir / "containers"
         self.containers_dir.mkdir(parents=True, exist_ok=True)
@@ -151,12 +165,37 @@ class RuncDriver:
         return build_bundle(paths, rootfs, image, spec,
                             cgroup_path=self.cgroup_path(spec.container_id), cdi_edits=cdi_edits)
 
-    def start(self, container_id: str) -> ContainerStatus:
+    def start(self, container_id: str, *, pipe_log: bool = False,
+              restore_from: Path | None = None) -> ContainerStatus:
         """Start a built container under a new supervisor; return once its process runs.
 
-        Raises RuncError with runc's message when the container cannot start.
+        ``pipe_log``: its stdio through pipes, so that it can be dumped (``dump``) and
+        restored elsewhere; ``restore_from``: ``runc restore`` its processes from that
+        dump instead of starting its command (see the supervisor). Raises RuncError with
+        runc's message when the container cannot start.
         """
-        return self._supervise(container_id, gated=False)
+        extra = ["--pipe-log"] if pipe_log else []
+        if restore_from is not None:
+            extra += ["--restore", str(restore_from)]
+        return self._supervise(container_id, gated=False, extra=extra)
+
+    def dump(self, container_id: str, image_dir: Path, *, leave_running: bool) -> None:
+        """``runc checkpoint`` the container into ``image_dir`` (emptied first); without
+        ``leave_running`` it ends, recorded as ``checkpointed``. Only a container started
+        with ``pipe_log`` can be restored on another node. Raises RuncError with CRIU's
+        first error."""
+        paths = self.paths(container_id)
+        shutil.rmtree(image_dir, ignore_errors=True)
+        work = paths.root / "criu-dump"
+        shutil.rmtree(work, ignore_errors=True)
+        if not leave_running:
+            write_json_atomic(paths.checkpointed, {"at": time.time()})
+        try:
+            criu.checkpoint([self.runc, "--root", str(self.runc_root)], container_id,
+                            image_dir, work, leave_running=leave_running)
+        except criu.CanaryFailed as error:
+            paths.checkpointed.unlink(missing_ok=True)
+            raise RuncError(str(error)) from None
 
     def create(self, container_id: str) -> ContainerStatus:
         """Create a built container (state CREATING) whose command waits for ``release``:
@@ -176,28 +215,40 @@ class RuncDriver:
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
 
-    def _supervise(self, container_id: str, gated: bool) -> ContainerStatus:
+    def _supervise(self, container_id: str, gated: bool,
+                   extra: Sequence[str] = ()) -> ContainerStatus:
         paths = self.paths(container_id)
         if not paths.config.exists():
             raise NotFound(f"container {container_id} has no bundle")
         if paths.supervisor_pid.exists():
             raise Conflict(f"container {container_id} was already started")
-        command = [self.python, "-m", "gpucloud.runtime.supervisor", "--runc", self.runc,
-                   "--root", str(self.runc_root), *(["--gated"] if gated else []),
-                   str(paths.root)]
+        argv = ["--runc", self.runc, "--root", str(self.runc_root),
+                *(["--gated"] if gated else []), *extra, str(paths.root)]
         try:
-            # cwd "/": ``python -m`` puts the working directory first on sys.path.
-            result = subprocess.run(command, capture_output=True, text=True, check=False,
-                                    timeout=self.start_timeout, stdin=subprocess.DEVNULL, cwd="/")
-        except subprocess.TimeoutExpired:
+            line, stderr = self._start_supervisor(argv)
+        except (subprocess.TimeoutExpired, TimeoutError):
             raise RuncError(f"container {container_id} did not start in time") from None
-        line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
         if not line.startswith("created" if gated else "started"):
-            detail = line.removeprefix("error: ") or result.stderr.strip() or "unknown error"
+            detail = line.removeprefix("error: ") or stderr or "unknown error"
             if not line.startswith("error: "):
                 detail += f" (see {paths.supervisor_log})"
             raise RuncError(f"container failed to start: {detail}")
         return self.status(container_id)
+
+    def _start_supervisor(self, argv: list[str]) -> tuple[str, str]:
+        """The supervisor's status line (and what it wrote to stderr, if known)."""
+        if self.zygote is not None:
+            try:
+                line = self.zygote.start_supervisor(argv, self.start_timeout)
+                return line or "error: supervisor ended without reporting", ""
+            except ZygoteUnavailable as error:
+                log.warning("%s; starting the supervisor directly", error)
+        # cwd "/": ``python -m`` puts the working directory first on sys.path.
+        result = subprocess.run([self.python, "-m", "gpucloud.runtime.supervisor", *argv],
+                                capture_output=True, text=True, check=False,
+                                timeout=self.start_timeout, stdin=subprocess.DEVNULL, cwd="/")
+        lines = result.stdout.strip().splitlines()
+        return (lines[-1] if lines else ""), result.stderr.strip()
 
     def status(self, container_id: str) -> ContainerStatus:
         paths = self.paths(container_id)
@@ -225,8 +276,11 @@ class RuncDriver:
                 statuses.append(self.status(entry.name))
         return statuses
 
-    def stop(self, container_id: str, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> None:
+    def stop(self, container_id: str, grace_seconds: float = DEFAULT_GRACE_SECONDS, *,
+             group: bool = False) -> None:
         """Ask the container to stop: SIGTERM now, SIGKILL after ``grace_seconds``.
+        ``group``: SIGTERM to every process of the container, not only its PID 1 (a
+        preemption notice: a shell as PID 1 often does not forward it).
 
         Returns at once; the supervisor enforces the grace period even if the agent
         restarts meanwhile. Use ``wait`` for the outcome. Stopping an exited container
@@ -236,8 +290,8 @@ class RuncDriver:
         state = self.status(container_id).state
         if state is ContainerState.EXITED:
             return
-        write_json_atomic(paths.stop_request,
-                          {"grace_seconds": grace_seconds, "requested_at": time.time()})
+        write_json_atomic(paths.stop_request, {"grace_seconds": grace_seconds,
+                                               "requested_at": time.time(), "group": group})
         supervisor = read_json(paths.supervisor_pid)
         if isinstance(supervisor, int) and self._supervised(paths):
             os.kill(supervisor, signal.SIGUSR1)
@@ -271,6 +325,16 @@ class RuncDriver:
 
     def log_path(self, container_id: str) -> Path:
         return self.paths(container_id).log
+
+    def signal(self, container_id: str, sig: str) -> bool:
+        """Send ``sig`` (``SIGUSR1``, ``USR1``) to the container's main process with
+        ``runc kill``: a checkpoint request. False when the container does not run (it
+        ended meanwhile); raises InvalidInput for a name that is not a signal."""
+        name = sig.upper().removeprefix("SIG")
+        if not name.isalnum() or not hasattr(signal, f"SIG{name}"):
+            raise InvalidInput("checkpoint_signal", f"{sig!r} is not a signal")
+        self.paths(container_id)  # validates the id
+        return self._runc("kill", container_id, name, check=False).returncode == 0
 
     def exec_command(self, container_id: str, argv: Sequence[str], *, tty: bool = False,
                      env: Mapping[str, str] | None = None, pid_file: Path | None = None,

@@ -91,6 +91,11 @@ class ContainerPaths:
     def exit_record(self) -> Path:
         return self.root / "exit.json"
 
+    @property
+    def checkpointed(self) -> Path:
+        """Written before ``runc checkpoint`` stops the container: its end is a dump."""
+        return self.root / "checkpointed.json"
+
 
 def write_json_atomic(path: Path, value: Any) -> None:
     """Write JSON so that readers see either nothing or the whole document."""

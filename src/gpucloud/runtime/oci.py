@@ -1,7 +1,11 @@
 """Pieces of an OCI runtime config (runtime spec 1.0.2) that do not depend on the pod.
 
-Defaults follow Docker's: its capability set, masked and read-only /proc paths, and the
-standard /proc, /dev, /dev/pts, /dev/shm, /dev/mqueue and /sys mounts.
+Defaults follow Docker's: its capability set, its default seccomp profile (seccomp.py),
+``noNewPrivileges``, masked and read-only /proc paths, and the standard /proc, /dev,
+/dev/pts, /dev/shm, /dev/mqueue and /sys mounts. Nothing a user sends reaches these: no
+privileged flag, no extra capability, no device, no host path (the only binds are the
+agent's own files and the pod's volume disks, whose container paths ``check_mount_path``
+keeps off /proc, /sys, /dev and /).
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import resource
 from pathlib import Path
 from typing import Any
+
+from gpucloud.runtime import seccomp
 
 OCI_VERSION = "1.0.2"
 CPU_PERIOD_US = 100_000
@@ -32,9 +38,21 @@ READONLY_PATHS: tuple[str, ...] = (
 )
 
 
+#: /proc/self/status ``CapEff`` of a root process in a ``docker run`` container.
+DOCKER_DEFAULT_CAP_MASK = 0x00000000A80425FB
+
+
 def capabilities() -> dict[str, list[str]]:
+    """Docker's set as bounding, effective and permitted; none inheritable or ambient (so
+    a non-root user gets none, and exec'ed programs no more than the set)."""
     caps = list(DEFAULT_CAPABILITIES)
-    return {"bounding": caps, "effective": caps, "permitted": list(caps)}
+    return {"bounding": caps, "effective": list(caps), "permitted": list(caps),
+            "inheritable": [], "ambient": []}
+
+
+def seccomp_profile() -> dict[str, Any]:
+    """Docker's default seccomp profile resolved for the capabilities pods get."""
+    return seccomp.profile(DEFAULT_CAPABILITIES)
 
 
 def standard_mounts(shm_size_bytes: int) -> list[dict[str, Any]]:

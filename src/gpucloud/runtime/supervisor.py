@@ -19,7 +19,19 @@ SIGKILL when the grace period ends. SIGTERM, SIGINT and SIGHUP are ignored so th
 the agent's process group does not take pods down. Only the standard library and the two
 stdlib-only runtime modules are imported, to keep start-up fast.
 
-Usage: python -m gpucloud.runtime.supervisor --runc PATH --root DIR [--gated] CONTAINER_DIR
+Transparent checkpoints (``--pipe-log``, ``--restore IMAGE_DIR``): CRIU restores a
+regular file by its path, which a new attempt on another node does not have, but runc hands
+pipes on the container's stdio over to ``runc restore``'s own. So a container that may be
+dumped gets pipes for its stdio (stdin: one at end of file), and this process copies its
+stdout/stderr pipe into the log; with ``--restore`` it runs ``runc restore --detach`` from
+the dump instead of create and start, and the restored processes write into the new pipe.
+Such a container's output stops flowing if its supervisor is killed (the others' does not).
+A container ended by ``runc checkpoint`` (``checkpointed.json`` written first) is recorded
+with ``checkpointed`` true.
+
+Usage: python -m gpucloud.runtime.supervisor --runc PATH --root DIR [--gated] [--pipe-log]
+       [--restore IMAGE_DIR] CONTAINER_DIR
+       python -m gpucloud.runtime.supervisor --zygote FD   (see ``serve``: the driver's)
 """
 
 from __future__ import annotations
@@ -29,14 +41,17 @@ import ctypes
 import fcntl
 import json
 import os
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from gpucloud.runtime.cgroups import memory_cgroup_dir, oom_killed
 from gpucloud.runtime.layout import ContainerPaths, read_json, write_json_atomic
@@ -73,6 +88,30 @@ def runc_error(runc_log: Path, fallback: str) -> str:
     return fallback
 
 
+def wait_exit(process: subprocess.Popen[Any], timeout: float) -> int:
+    """Wait for ``process`` to end, at most ``timeout`` seconds (then kill it and raise
+    TimeoutExpired); its exit status.
+
+    ``Popen.wait(timeout)`` polls with sleeps growing to 50 ms, which a container start
+    pays twice (runc create, runc start); a pidfd is readable the moment the process
+    ends, so this returns at once. Kernels without pidfds (before 5.3) get the polling.
+    """
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except OSError:
+        return process.wait(timeout)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(timeout * 1000):  # EINTR is retried with the time left
+            process.kill()
+            process.wait()
+            raise subprocess.TimeoutExpired(process.args, timeout)
+    finally:
+        os.close(pidfd)
+    return process.wait()
+
+
 def _loopback_up(pid: int) -> None:
     """Set ``lo`` up in the network namespace of ``pid`` (runc leaves it down).
 
@@ -103,14 +142,19 @@ def _has_private_network(config: Path) -> bool:
 
 
 class Supervisor:
-    def __init__(self, paths: ContainerPaths, runc: str, runc_root: Path) -> None:
+    def __init__(self, paths: ContainerPaths, runc: str, runc_root: Path, *,
+                 pipe_log: bool = False, restore_from: Path | None = None) -> None:
         self.paths = paths
+        self.pipe_log = pipe_log or restore_from is not None
+        self.restore_from = restore_from
+        self._relay: threading.Thread | None = None
         self.runc_command = [runc, "--root", str(runc_root), "--log", str(paths.runc_log),
                              "--log-format", "json"]
         self.container_pid: int | None = None
         self.exited = False
         self.stop_requested = False
         self.killed_after_grace = False
+        self.cgroup_dir: Path | None = None
 
     # -- signals ------------------------------------------------------------------------
 
@@ -123,14 +167,42 @@ class Supervisor:
     def _on_stop_request(self, _signum: int, _frame: FrameType | None) -> None:
         request = read_json(self.paths.stop_request) or {}
         grace = max(0.0, float(request.get("grace_seconds", DEFAULT_GRACE_SECONDS)))
+        group = bool(request.get("group", False))
         self.stop_requested = True
         if self.container_pid is None or self.exited:
             return
-        _log(f"stop requested, grace {grace}s")
-        os.kill(self.container_pid, signal.SIGTERM)
+        _log(f"stop requested, grace {grace}s" + (", process group" if group else ""))
+        if group:
+            self._signal_all(signal.SIGTERM)
+        else:
+            os.kill(self.container_pid, signal.SIGTERM)
         remaining = signal.getitimer(signal.ITIMER_REAL)[0]
         if remaining == 0 or grace < remaining:
             signal.setitimer(signal.ITIMER_REAL, max(grace, 0.001))
+
+    def _signal_all(self, signum: int) -> None:
+        """``signum`` to the container's PID 1, its process group and every process of its
+        cgroup (children that made groups of their own included)."""
+        pid = self.container_pid
+        assert pid is not None
+        targets = {pid}
+        try:
+            group = os.getpgid(pid)
+            if group != os.getpgrp():
+                os.killpg(group, signum)
+        except ProcessLookupError:
+            return
+        if self.cgroup_dir is not None:
+            try:
+                procs = (self.cgroup_dir / "cgroup.procs").read_text().split()
+                targets.update(int(p) for p in procs if p.isdigit())
+            except OSError:
+                pass  # cgroup v1 without the file, or gone: the group had it
+        for target in targets:
+            try:
+                os.kill(target, signum)
+            except ProcessLookupError:
+                pass  # ended meanwhile
 
     def _on_grace_over(self, _signum: int, _frame: FrameType | None) -> None:
         if self.container_pid is not None and not self.exited:
@@ -140,28 +212,56 @@ class Supervisor:
 
     # -- runc ---------------------------------------------------------------------------
 
-    def _runc(self, *args: str, log_fd: int | None = None) -> None:
+    def _runc(self, *args: str, log_fd: int | None = None, stdin_fd: int | None = None) -> None:
         output = log_fd if log_fd is not None else subprocess.DEVNULL
+        stdin = stdin_fd if stdin_fd is not None else subprocess.DEVNULL
         try:
-            result = subprocess.run(
-                [*self.runc_command, *args], stdin=subprocess.DEVNULL, stdout=output,
-                stderr=output, timeout=RUNC_TIMEOUT_SECONDS, check=False,
-            )
+            with subprocess.Popen([*self.runc_command, *args], stdin=stdin,
+                                  stdout=output, stderr=output) as runc:
+                returncode = wait_exit(runc, RUNC_TIMEOUT_SECONDS)
         except (OSError, subprocess.TimeoutExpired) as error:
             raise SupervisorError(f"runc {args[0]} failed: {error}") from None
-        if result.returncode != 0:
-            fallback = f"runc {args[0]} exited with status {result.returncode}"
+        if returncode != 0:
+            fallback = f"runc {args[0]} exited with status {returncode}"
             raise SupervisorError(runc_error(self.paths.runc_log, fallback))
 
     def _create(self) -> int:
+        """``runc create`` (or ``runc restore --detach`` from the dump); the new PID 1."""
         pid_file = self.paths.root / "container.pid"
-        log_fd = os.open(self.paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        log_fd, stdin_fd = self._stdio()
         try:
-            self._runc("create", "--bundle", str(self.paths.root), "--pid-file", str(pid_file),
-                       self.paths.container_id, log_fd=log_fd)
+            if self.restore_from is not None:
+                self._runc("restore", "--detach", "--image-path", str(self.restore_from),
+                           "--work-path", str(self.paths.root / "criu-restore"),
+                           "--bundle", str(self.paths.root), "--pid-file", str(pid_file),
+                           self.paths.container_id, log_fd=log_fd, stdin_fd=stdin_fd)
+            else:
+                self._runc("create", "--bundle", str(self.paths.root), "--pid-file",
+                           str(pid_file), self.paths.container_id, log_fd=log_fd,
+                           stdin_fd=stdin_fd)
         finally:
             os.close(log_fd)
+            if stdin_fd is not None:
+                os.close(stdin_fd)
         return int(pid_file.read_text().strip())
+
+    def _stdio(self) -> tuple[int, int | None]:
+        """The container's stdout/stderr and stdin: the log file and /dev/null; with
+        ``pipe_log`` a pipe copied into the log and a pipe at end of file (see the module)."""
+        log_fd = os.open(self.paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        if not self.pipe_log:
+            return log_fd, None
+        read_end, write_end = os.pipe()
+        self._relay = threading.Thread(target=_copy, args=(read_end, log_fd), daemon=True)
+        self._relay.start()
+        stdin_read, stdin_write = os.pipe()
+        os.close(stdin_write)
+        return write_end, stdin_read
+
+    def _drain_relay(self) -> None:
+        """Wait until the copy of the pipe has reached the log (every writer gone)."""
+        if self._relay is not None:
+            self._relay.join(timeout=5)
 
     # -- the container's life -----------------------------------------------------------
 
@@ -199,6 +299,7 @@ class Supervisor:
             "oom_killed": oom_killed(memory_dir, killed_by == signal.SIGKILL),
             "stop_requested": self.stop_requested,
             "killed_after_grace": self.killed_after_grace,
+            "checkpointed": self.paths.checkpointed.exists(),
             "started_at": started_at,
             "finished_at": time.time(),
             "error": None,
@@ -214,7 +315,10 @@ class Supervisor:
         })
 
     def _start(self, pid: int) -> None:
-        """Start a created container, unless a stop arrived while it was being created."""
+        """Start a created container, unless a stop arrived while it was being created.
+        A restored one runs already (its namespace's loopback came back with it)."""
+        if self.restore_from is not None:
+            return
         if _has_private_network(self.paths.config):
             _loopback_up(pid)
         if self.stop_requested:
@@ -245,6 +349,7 @@ class Supervisor:
             return self._report(report, f"error: {error}", 1)
         self.container_pid = pid
         memory_dir = memory_cgroup_dir(pid)
+        self.cgroup_dir = memory_dir
         if gated:
             self._report(report, f"created {pid}", 0)
             report = -1  # the one status line went out: later ones are not written
@@ -264,6 +369,7 @@ class Supervisor:
         })
         self._report(report, f"started {pid}", 0)
         code = self._wait_for_exit(pid)
+        self._drain_relay()
         write_json_atomic(self.paths.exit_record, self._exit_record(code, started_at, memory_dir))
         _log(f"container exited with {code}")
         self._delete()
@@ -288,6 +394,18 @@ class Supervisor:
         return code
 
 
+def _copy(source: int, target: int) -> None:
+    """Copy a pipe into the log until every writer has closed it."""
+    try:
+        while data := os.read(source, 65536):
+            os.write(target, data)
+    except OSError as error:
+        _log(f"copying the container's output stopped: {error}")
+    finally:
+        os.close(source)
+        os.close(target)
+
+
 def _detach(paths: ContainerPaths) -> None:
     """Become a session leader in the container's directory, with stdio on /dev/null and
     the supervisor log."""
@@ -302,20 +420,94 @@ def _detach(paths: ContainerPaths) -> None:
     os.close(log)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Fork the supervisor into the background; print its first status line and exit.
-
-    The agent waits for this short-lived parent, so the supervisor itself is never the
-    agent's child (no zombie when it ends, no death when the agent goes).
-    """
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpucloud-supervisor")
     parser.add_argument("--runc", default="/usr/bin/runc")
     parser.add_argument("--root", required=True, type=Path)
     parser.add_argument("--gated", action="store_true",
                         help="report 'created' and wait for start.release before starting")
+    parser.add_argument("--pipe-log", action="store_true",
+                        help="stdio through pipes (a container that may be dumped with CRIU)")
+    parser.add_argument("--restore", type=Path, default=None, metavar="IMAGE_DIR",
+                        help="runc restore the container from this CRIU dump")
     parser.add_argument("container_dir", type=Path)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _supervise(args: argparse.Namespace, report: int) -> int:
+    """Become the container's supervisor (detached) and run it to its end."""
     paths = ContainerPaths(args.container_dir.resolve())
+    _detach(paths)
+    return Supervisor(paths, args.runc, args.root, pipe_log=args.pipe_log,
+                      restore_from=args.restore).run(report, gated=args.gated)
+
+
+def serve(sock_fd: int) -> int:
+    """The zygote: start supervisors on request without starting an interpreter each.
+
+    The driver keeps one such process (``--zygote FD``), which has imported this module
+    already. A request is one datagram on the socket ``FD`` (a JSON list: the arguments
+    ``main`` takes) with the write end of a pipe attached; the zygote forks, the child
+    forks the supervisor and exits at once (so the supervisor is nobody's child, as with
+    ``main``), and the supervisor writes its status line to the pipe. The zygote is
+    single-threaded, so forking it is safe; it ignores the signals the supervisor ignores
+    (the agent's process group may get them) and exits when the driver's end closes.
+    """
+    for ignored in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(ignored, signal.SIG_IGN)
+    sock = socket.socket(fileno=sock_fd)
+    while True:
+        message, fds, _flags, _address = socket.recv_fds(sock, 65536, 1)
+        if not message:
+            return 0
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            continue
+        try:
+            args = _parser().parse_args(json.loads(message))
+        except (ValueError, SystemExit):  # argparse exits on bad arguments
+            _report_error(fds[0], "error: bad supervisor request")
+            continue
+        _fork_supervisor(sock, args, fds[0])
+
+
+def _report_error(report: int, line: str) -> None:
+    os.write(report, (line + "\n").encode())
+    os.close(report)
+
+
+def _fork_supervisor(sock: socket.socket, args: argparse.Namespace, report: int) -> None:
+    try:
+        child = os.fork()
+    except OSError as error:
+        _report_error(report, f"error: cannot start a supervisor: {error}")
+        return
+    if child == 0:
+        code = 1
+        try:
+            sock.close()
+            if os.fork() == 0:
+                code = _supervise(args, report)
+            else:
+                code = 0
+        finally:
+            os._exit(code)  # never back into the zygote's loop
+    os.close(report)
+    os.waitpid(child, 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Fork the supervisor into the background; print its first status line and exit.
+
+    The agent waits for this short-lived parent, so the supervisor itself is never the
+    agent's child (no zombie when it ends, no death when the agent goes). ``--zygote FD``
+    serves such starts from one process instead (see ``serve``).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--zygote"] and len(argv) == 2:
+        return serve(int(argv[1]))
+    args = _parser().parse_args(argv)
     read_end, write_end = os.pipe()
     if os.fork() > 0:
         os.close(write_end)
@@ -324,8 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line or "error: supervisor ended without reporting")
         return 0 if line.startswith(("started", "created")) else 1
     os.close(read_end)
-    _detach(paths)
-    return Supervisor(paths, args.runc, args.root).run(write_end, gated=args.gated)
+    return _supervise(args, write_end)
 
 
 if __name__ == "__main__":

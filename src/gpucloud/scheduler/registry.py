@@ -12,6 +12,7 @@ from typing import Any
 from gpucloud.scheduler.framework.registry import ProfileConfig, Registry
 from gpucloud.scheduler.plugins.fgd import FgdReserve, FgdScore
 from gpucloud.scheduler.plugins.filters import (
+    AvoidNode,
     CpuMemoryFit,
     GpuFit,
     GpuModel,
@@ -20,6 +21,7 @@ from gpucloud.scheduler.plugins.filters import (
     RequestCheck,
     RequiredNode,
 )
+from gpucloud.scheduler.plugins.loadaware import LoadAwareFilter, LoadAwareScore
 from gpucloud.scheduler.plugins.policies import (
     BestFitScore,
     DotProductScore,
@@ -31,12 +33,15 @@ from gpucloud.scheduler.plugins.reserve import GpuReserve
 from gpucloud.scheduler.plugins.topology import TopologyScore
 
 PRE_FILTERS = ("RequestCheck",)
-FILTERS = ("RequiredNode", "NodeCondition", "NodeSelector", "GpuModel", "CpuMemoryFit", "GpuFit")
+FILTERS = ("RequiredNode", "AvoidNode", "NodeCondition", "NodeSelector", "GpuModel",
+           "CpuMemoryFit", "GpuFit")
 
 PLUGINS: tuple[Any, ...] = (
-    RequestCheck, RequiredNode, NodeCondition, NodeSelector, CpuMemoryFit, GpuModel, GpuFit,
+    RequestCheck, RequiredNode, AvoidNode, NodeCondition, NodeSelector, CpuMemoryFit,
+    GpuModel, GpuFit,
     TopologyScore, RandomScore, DotProductScore, GpuClusteringScore,
     GpuPackingScore, BestFitScore, FgdScore, GpuReserve, FgdReserve,
+    LoadAwareScore, LoadAwareFilter,
 )
 
 
@@ -85,6 +90,19 @@ RAW_PROFILES: dict[str, Mapping[str, Any]] = {
                  "FgdReserve": {"refined": True, "whole": "topology", **_DEFAULT_TYPICAL}},
     },
 }
+
+# ``default`` plus placement by real use (plugins/loadaware.py): the LoadAware score at a
+# weight below FGD's, so it decides among placements FGD finds equal; the ``-filter``
+# variant also keeps pods off nodes whose peak use would pass 65 % CPU / 95 % memory.
+LOAD_AWARE_WEIGHT = 0.25
+_DEFAULT = RAW_PROFILES["default"]
+RAW_PROFILES["default+load-aware"] = {
+    **_DEFAULT, "scores": {"FGD": 1.0, "LoadAware": LOAD_AWARE_WEIGHT, "Topology": 0.01},
+}
+RAW_PROFILES["default+load-aware-filter"] = {
+    **RAW_PROFILES["default+load-aware"], "filters": (*FILTERS, "LoadAwareFilter"),
+}
+LOAD_AWARE_PROFILES = ("default+load-aware", "default+load-aware-filter")
 
 POLICY_NAMES = ("random", "dotprod", "clustering", "packing", "bestfit", "fgd", "default")
 

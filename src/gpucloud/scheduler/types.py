@@ -34,8 +34,36 @@ class GpuState:
 
 
 @dataclass(frozen=True)
+class NodeLoad:
+    """What a node really uses, for load-aware placement (``plugins/loadaware.py``).
+
+    ``cpu_milli``/``memory_bytes`` are smoothed (EWMA) use, scored; the ``*_peak`` figures
+    are the max of the recent samples, filtered on. Both already count the estimates of the
+    node's pods not yet reported and leave out pods ended since the sample
+    (``loadaware.estimate_load`` builds it). ``requested_*`` are the requests of the pods
+    counted in it, so pods placed later (in the same pass) are estimated from the growth of
+    the node's requests. ``age_seconds``: age of the newest sample when the snapshot was
+    taken. ``gpu_util``/``gpu_requested_milli``: GPU index -> percent / milli requested
+    (shared GPUs only).
+    """
+
+    age_seconds: float
+    cpu_milli: float
+    memory_bytes: float
+    cpu_peak_milli: float
+    memory_peak_bytes: float
+    requested_cpu_milli: int
+    requested_memory_bytes: int
+    gpu_util: dict[int, float] = field(default_factory=dict)
+    gpu_requested_milli: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class NodeState:
-    """A node as the scheduler sees it: capacity, what is used, GPUs, labels, condition."""
+    """A node as the scheduler sees it: capacity, what is used, GPUs, labels, condition.
+
+    ``load`` is its observed use (None: no metrics, load-aware plugins fail open).
+    """
 
     name: str
     cpu_milli: int
@@ -46,6 +74,7 @@ class NodeState:
     ready: bool = True
     cpu_used_milli: int = 0
     memory_used_bytes: int = 0
+    load: NodeLoad | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +96,8 @@ class PodRequest:
     min_gpu_memory_mib: int | None = None
     node_selector: dict[str, str] = field(default_factory=dict)
     required_node: str | None = None
+    #: Nodes the pod must not go to (it was just preempted there).
+    avoid_nodes: tuple[str, ...] = ()
 
     @property
     def gpu_request_milli(self) -> int:

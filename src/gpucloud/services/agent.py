@@ -27,10 +27,10 @@ from gpucloud.core.phases import (
     should_restart,
 )
 from gpucloud.db.models import JobModel, NodeModel, PodLogChunkModel, PodModel, ProjectModel
-from gpucloud.services import migration, volumes
+from gpucloud.services import checkpoint_index, interval, migration, spot, volumes
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import transition
-from gpucloud.services.nodes import check_fencing
+from gpucloud.services.fencing import check_fencing
 from gpucloud.services.pods import bump_assignments, requeue
 from gpucloud.services.scheduling import retry_unschedulable
 from gpucloud.services.spec import pull_credentials
@@ -64,6 +64,8 @@ def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
         for (pod, _, _), assignment in zip(rows, pods, strict=True):
             _add_volumes(ctx, session, node, pod, assignment)
             _add_pull_credentials(session, pod, assignment)
+            checkpoint_index.add_to_assignment(session, pod, assignment)
+            interval.add_to_assignment(ctx, session, pod, assignment)
         return AssignmentsOut(revision=node.assignments_revision,
                               fencing_token=node.fencing_token, pods=pods,
                               volume_pods=_volume_pods(session, node_id),
@@ -117,6 +119,7 @@ def _assignment(pod: PodModel, project: str, barrier_released: bool) -> Assignme
         gpu_milli=round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0,
         stop_grace_seconds=pod.stop_grace_seconds, host_network=member, barrier=member,
         barrier_released=member and barrier_released, entrypoint=pod.entrypoint,
+        stop_notice=spot.notice_of(pod),
     )
 
 
@@ -174,7 +177,11 @@ def _apply_phase(ctx: ServiceContext, session: Session, pod: PodModel,
         pod.exit_code = report.exit_code
         pod.finished_at = now
         retry_unschedulable(session)
-        _maybe_restart(ctx, session, pod, target, now)
+        node_id = pod.node_id
+        if spot.requeue_after_stop(ctx, session, pod, now):
+            bump_assignments(session, node_id)
+        else:
+            _maybe_restart(ctx, session, pod, target, now)
 
 
 def _default_reason(phase: PodPhase, exit_code: int | None) -> str:
@@ -217,8 +224,9 @@ def append_log(ctx: ServiceContext, node_id: str, pod_id: str,
             raise Conflict(f"log of attempt {chunk.attempt}; the pod is on {pod.attempt}")
         end = _log_end(session, pod)
         if chunk.offset == end and chunk.data:
+            # PostgreSQL's text cannot hold NUL: a space keeps every byte offset.
             session.add(PodLogChunkModel(pod_id=pod.id, attempt=pod.attempt, offset=end,
-                                         data=chunk.data))
+                                         data=chunk.data.replace("\x00", " ")))
             end += len(chunk.data.encode())
         return end
 

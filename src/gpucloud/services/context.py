@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 import threading
 import time
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from gpucloud.core.clock import Clock
 from gpucloud.core.settings import Settings
 from gpucloud.db.session import Database
+from gpucloud.services.ratelimit import AuthFailureLimiter
 
 
 class TtlCache:
@@ -51,6 +53,8 @@ class ServiceContext:
     clock: Clock
     settings: Settings
     cache: TtlCache = field(default_factory=TtlCache)
+    #: Failed authentications by client address and key prefix (ratelimit.py).
+    auth_failures: AuthFailureLimiter = field(default_factory=AuthFailureLimiter)
 
 
 _id_lock = threading.Lock()
@@ -78,3 +82,16 @@ def new_secret(prefix: str) -> str:
 
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def secret_matches(secret: str, stored_hash: str) -> bool:
+    """Whether ``secret`` hashes to ``stored_hash``, compared in constant time.
+
+    Credentials are found by their hash (a unique index, or the cache keyed by it): the
+    time such a lookup takes depends on the SHA-256 of what the caller sent, which tells
+    an attacker nothing about a real secret's bytes (finding a preimage with a chosen
+    hash prefix is the hard problem itself), so the lookup needs no constant-time form.
+    The row found is still checked with ``hmac.compare_digest``, so that no code path
+    ever accepts a credential on an ordinary ``==`` of secret material.
+    """
+    return hmac.compare_digest(hash_secret(secret).encode(), stored_hash.encode())

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from gpucloud.core.phases import PodPhase, check_transition
 from gpucloud.db.models import Base, PodEventModel, PodModel
+from gpucloud.services import meter
 
 
 def record_event(session: Session, pod_id: str, now: datetime, reason: str,
@@ -30,9 +31,11 @@ _INSERT_EVENT = insert(Base.metadata.tables[PodEventModel.__tablename__])
 
 def transition(session: Session, pod: PodModel, target: PodPhase, now: datetime, reason: str,
                message: str | None = None) -> None:
-    """Move ``pod`` to ``target`` (InvalidTransition if the table forbids it) and log it."""
+    """Move ``pod`` to ``target`` (InvalidTransition if the table forbids it) and log it;
+    entering or leaving ``Running`` opens or closes the attempt's meter row."""
     current = PodPhase(pod.phase)
     check_transition(current, target)
+    meter.on_transition(session, pod, current, target, now, reason)
     pod.phase = target.value
     pod.reason = reason
     pod.message = message

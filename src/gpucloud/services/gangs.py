@@ -40,10 +40,10 @@ from gpucloud.scheduler.gang import GangDecision, place_gang
 from gpucloud.scheduler.preemption import with_placements
 from gpucloud.scheduler.quota import Ledger, drf_capacity, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI
-from gpucloud.services import backfill, quotas
+from gpucloud.services import backfill, quotas, spot
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
-from gpucloud.services.nodes import check_fencing
+from gpucloud.services.fencing import check_fencing
 from gpucloud.services.pods import bump_assignments, requeue
 from gpucloud.services.scheduling import (
     LOCK_SECONDS,
@@ -89,6 +89,8 @@ class LeasedJob:
     #: The members' reservations (node id, GPU index -> milli) by rank, while they hold.
     reservations: list[tuple[str, dict[str, int]]] | None = None
     max_duration: float | None = None
+    #: Nodes the gang was just preempted from (services/spot).
+    avoid_nodes: tuple[str, ...] = ()
 
 
 # -- placement ----------------------------------------------------------------------------
@@ -135,12 +137,22 @@ def leased_job(session: Session, job: JobModel, now: datetime | None = None) -> 
                      [(pod_id, version) for pod_id, version, _, _ in members],
                      job.project_id, job.priority,
                      reservations if held and len(reservations) == len(members) else None,
-                     job.max_duration_seconds)
+                     job.max_duration_seconds, _avoided(session, job.id, now))
+
+
+def _avoided(session: Session, job_id: str, now: datetime | None) -> tuple[str, ...]:
+    """The nodes the gang was just preempted from: no member goes back there for a while."""
+    if now is None:
+        return ()
+    return tuple(sorted(set(session.scalars(
+        select(NodeModel.name).join(PodModel, PodModel.avoid_node_id == NodeModel.id)
+        .where(PodModel.job_id == job_id, PodModel.avoid_until > now)))))
 
 
 def member_requests(job: LeasedJob) -> list[PodRequest]:
     return [PodRequest(key=pod_id, gpus=job.gpus_per_node, gpu_model=job.gpu_type,
-                       cpu_milli=job.cpu_milli, memory_bytes=job.memory_bytes)
+                       cpu_milli=job.cpu_milli, memory_bytes=job.memory_bytes,
+                       avoid_nodes=job.avoid_nodes)
             for pod_id, _ in job.members]
 
 
@@ -400,7 +412,9 @@ def _reconcile_job(ctx: ServiceContext, session: Session, job: JobModel,
         return
     failure = _failure(members, job.gang_state)
     if failure is not None:
-        teardown(ctx, session, job, members, now, RESTART, failure)
+        # a spot gang that lost a node is requeued as after a preemption (no restart count)
+        then = PREEMPT if job.spot and failure[0] == "NodeLost" else RESTART
+        teardown(ctx, session, job, members, now, then, failure)
     elif job.gang_state == STARTING and all(_ready(m) for m in members):
         _release_barrier(session, job, members, now)
     elif job.gang_state == STARTING and job.scheduled_at is not None and now >= (
@@ -503,7 +517,10 @@ def _requeue(ctx: ServiceContext, session: Session, job: JobModel, members: list
                 ctx.settings.restart_backoff_max_seconds) if count else 0.0
     for member in members:
         if PodPhase(member.phase) in TERMINAL_PHASES:
+            node_id = member.node_id
             requeue(session, member, now, "GangRestarting", job.message)
+            if job.teardown == PREEMPT:  # not straight back onto the node it lost
+                spot.avoid(ctx, member, node_id, now)
         member.ready_at = None
     job.gang_state, job.teardown = QUEUED, None
     job.phase = JobPhase.PENDING.value

@@ -27,6 +27,7 @@ from gpucloud.core.jobs import (
 )
 from gpucloud.core.names import MAX_NAME_LENGTH
 from gpucloud.core.phases import ACTIVE_PHASES, PodPhase, RestartPolicy
+from gpucloud.core.spot import priority_class_of
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.scheduler import Explanation
 from gpucloud.services import backfill, gangs, priorities
@@ -36,14 +37,18 @@ from gpucloud.services.pods import bump_assignments
 from gpucloud.services.projects import Principal
 from gpucloud.services.scheduling import snapshot
 from gpucloud.services.spec import check_spec, copy_columns, spec_columns, spec_out
+from gpucloud.services.transparent import check_transparent
 
 
 def create_job(ctx: ServiceContext, caller: Principal, request: JobCreateRequest) -> JobOut:
     """Record the job and its Pending members in one transaction."""
     _check_member_names(request)
     check_spec(ctx, caller.project_id, request)
+    check_transparent(ctx, request, gpus=request.gpus_per_node, nodes=request.nodes,
+                      job=True)
     now = ctx.clock.now()
-    priority = priorities.resolve_cached(ctx, request.priority_class)
+    priority = priorities.resolve_cached(ctx, priority_class_of(request,
+                                                                request.priority_class))
     job = _new_job(caller, request, now, priority)
     try:
         with ctx.db.transaction() as session:
@@ -134,6 +139,8 @@ def _job_out(session: Session, job: JobModel, project: str) -> JobOut:
         barrier_released=job.barrier_released_at is not None,
         desired_state=job.desired_state, members=members, created_at=job.created_at,
         updated_at=job.updated_at, started_at=job.started_at, finished_at=job.finished_at,
+        preemptions=job.preemptions, last_preemption_reason=job.last_preemption_reason,
+        last_preempted_at=job.last_preempted_at, time_lost_seconds=job.time_lost_seconds,
         **spec_out(job),
     )
 

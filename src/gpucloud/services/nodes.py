@@ -8,11 +8,13 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from gpucloud.access.keys import gateway_public_keys
-from gpucloud.core.errors import NotFound, StaleFencingToken, Unauthorized
+from gpucloud.core.capabilities import NodeCapabilities
+from gpucloud.core.errors import NotFound, Unauthorized
 from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.models import (
     GpuInventory,
     JoinTokenOut,
+    JoinTokenRequest,
     LeaseResponse,
     NodeOut,
     NodeRegisterRequest,
@@ -25,32 +27,27 @@ from gpucloud.core.phases import (
     RestartPolicy,
     should_restart,
 )
-from gpucloud.db.models import JoinTokenModel, NodeModel, PodModel
+from gpucloud.core.spot import DrainState, NodeDrainOut, StopReason
+from gpucloud.db.models import NodeModel, PodModel
 from gpucloud.db.session import rows_changed
-from gpucloud.services.context import ServiceContext, hash_secret, new_id, new_secret
+from gpucloud.services import join_tokens, spot
+from gpucloud.services.context import (
+    ServiceContext,
+    hash_secret,
+    new_id,
+    new_secret,
+    secret_matches,
+)
 from gpucloud.services.events import transition
+from gpucloud.services.fencing import check_fencing
 from gpucloud.services.pods import requeue
 from gpucloud.services.projects import Principal
 from gpucloud.services.scheduling import retry_unschedulable
 
 
-def create_join_token(ctx: ServiceContext, caller: Principal) -> JoinTokenOut:
-    caller.require_admin()
-    now = ctx.clock.now()
-    token = new_secret("gpj")
-    expires = now + timedelta(seconds=ctx.settings.join_token_ttl_seconds)
-    with ctx.db.transaction() as session:
-        session.add(JoinTokenModel(id=new_id(), token_hash=hash_secret(token), created_at=now,
-                                   expires_at=expires))
-    return JoinTokenOut(token=token, expires_at=expires)
-
-
-def _check_join_token(session: Session, token: str, now: datetime) -> None:
-    row = session.scalar(
-        select(JoinTokenModel).where(JoinTokenModel.token_hash == hash_secret(token))
-    )
-    if row is None or row.expires_at <= now:
-        raise Unauthorized("invalid or expired join token")
+def create_join_token(ctx: ServiceContext, caller: Principal,
+                      request: JoinTokenRequest | None = None) -> JoinTokenOut:
+    return join_tokens.create(ctx, caller, request)
 
 
 def _normalized_gpus(gpus: list[GpuInventory]) -> list[dict[str, object]]:
@@ -75,7 +72,7 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegi
     ttl = ctx.settings.lease_ttl_seconds
     gateway_keys = gateway_public_keys(ctx.settings.home)
     with ctx.db.transaction() as session:
-        _check_join_token(session, request.join_token, now)
+        join_tokens.use(session, request.join_token, now)
         node = session.scalar(select(NodeModel).where(NodeModel.name == request.name))
         if node is None:
             node = NodeModel(id=new_id(), name=request.name, registered_at=now, fencing_token=0,
@@ -102,12 +99,14 @@ def _set_access(node: NodeModel, request: NodeRegisterRequest) -> None:
     node.access_host_key = request.access_host_key
     node.network_mode = request.network_mode
     node.volume_mode = request.volume_mode
+    node.capabilities = request.capabilities.model_dump()
 
 
 def _grant(node: NodeModel, now: datetime, ttl: float) -> None:
     node.fencing_token += 1
     node.status = NodeStatus.READY.value
     node.lease_expires_at = now + timedelta(seconds=ttl)
+    node.lease_renewed_at = now
     node.version += 1
     node.assignments_revision += 1
 
@@ -117,19 +116,13 @@ def authenticate_node(ctx: ServiceContext, token: str | None) -> str:
     if not token:
         raise Unauthorized("missing node token")
     with ctx.db.transaction() as session:
-        node_id = session.scalar(
-            select(NodeModel.id).where(NodeModel.token_hash == hash_secret(token))
-        )
-    if node_id is None:
+        row = session.execute(  # by hash: see secret_matches for why that is safe
+            select(NodeModel.id, NodeModel.token_hash)
+            .where(NodeModel.token_hash == hash_secret(token))
+        ).first()
+    if row is None or not secret_matches(token, row[1]):
         raise Unauthorized("invalid node token")
-    return node_id
-
-
-def check_fencing(node: NodeModel, token: int) -> None:
-    if token != node.fencing_token:
-        raise StaleFencingToken(
-            f"stale fencing token {token} (current {node.fencing_token}); renew the lease"
-        )
+    return str(row[0])
 
 
 def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None) -> LeaseResponse:
@@ -152,21 +145,62 @@ def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None) ->
             retry_unschedulable(session)
         else:
             node.lease_expires_at = now + timedelta(seconds=ttl)
+            node.lease_renewed_at = now  # a lost node's runs end here (services/meter)
         assert node.lease_expires_at is not None
         return LeaseResponse(fencing_token=node.fencing_token,
                              lease_expires_at=node.lease_expires_at, lease_ttl_seconds=ttl,
                              new_grant=new_grant)
 
 
+def display_status(node: NodeModel) -> NodeStatus:
+    """``Drained`` (its own status: a drained node may go away), ``Lost`` (the lease),
+    ``Draining``, else the lease status."""
+    if node.drain_state == DrainState.DRAINED.value:
+        return NodeStatus.DRAINED
+    if node.status == NodeStatus.LOST.value:
+        return NodeStatus.LOST
+    if node.drain_state is not None:
+        return NodeStatus.DRAINING
+    return NodeStatus(node.status)
+
+
+def bound_pods(session: Session, node_id: str) -> list[str]:
+    """Names of the pods that hold resources on the node."""
+    return list(session.scalars(
+        select(PodModel.name).where(PodModel.node_id == node_id,
+                                    PodModel.phase.in_(ACTIVE_PHASE_VALUES))
+        .order_by(PodModel.name)))
+
+
+def drain_out(session: Session, node: NodeModel) -> NodeDrainOut | None:
+    """The progress of the node's drain (None: not draining)."""
+    if node.drain_state is None or node.drain_requested_at is None:
+        return None
+    pods = bound_pods(session, node.id)
+    deadline = None if node.drain_started_at is None or node.drain_deadline_seconds is None \
+        else node.drain_started_at + timedelta(seconds=node.drain_deadline_seconds)
+    return NodeDrainOut(state=DrainState(node.drain_state), requested_at=node.drain_requested_at,
+                        started_at=node.drain_started_at, deadline=deadline,
+                        finished_at=node.drain_finished_at, pods_total=node.drain_pods_total,
+                        pods_left=len(pods), pods=pods)
+
+
+def node_out(session: Session, node: NodeModel, gpus_allocated: int) -> NodeOut:
+    out = _node_out(node, gpus_allocated)
+    out.drain = drain_out(session, node)
+    return out
+
+
 def _node_out(node: NodeModel, gpus_allocated: int) -> NodeOut:
     return NodeOut(
-        id=node.id, name=node.name, status=NodeStatus(node.status), cordoned=node.cordoned,
+        id=node.id, name=node.name, status=display_status(node), cordoned=node.cordoned,
         cpu_cores=node.cpu_milli / 1000, memory_bytes=node.memory_bytes,
         gpus=[GpuInventory.model_validate(g) for g in node.gpus], gpus_allocated=gpus_allocated,
         labels=node.labels, address=node.address, provider=node.provider,
         fencing_token=node.fencing_token, lease_expires_at=node.lease_expires_at,
         registered_at=node.registered_at, network_mode=node.network_mode,
         volume_mode=node.volume_mode, access_endpoint=node.access_endpoint,
+        capabilities=NodeCapabilities.model_validate(node.capabilities or {}),
     )
 
 
@@ -184,7 +218,7 @@ def list_nodes(ctx: ServiceContext) -> list[NodeOut]:
     with ctx.db.read() as session:
         allocated = _allocated_gpus(session)
         nodes = session.scalars(select(NodeModel).order_by(NodeModel.name))
-        return [_node_out(n, allocated.get(n.id, 0)) for n in nodes]
+        return [node_out(session, n, allocated.get(n.id, 0)) for n in nodes]
 
 
 def _find_node(session: Session, ref: str) -> NodeModel:
@@ -197,7 +231,7 @@ def _find_node(session: Session, ref: str) -> NodeModel:
 def get_node(ctx: ServiceContext, ref: str) -> NodeOut:
     with ctx.db.read() as session:
         node = _find_node(session, ref)
-        return _node_out(node, _allocated_gpus(session).get(node.id, 0))
+        return node_out(session, node, _allocated_gpus(session).get(node.id, 0))
 
 
 def set_cordoned(ctx: ServiceContext, caller: Principal, ref: str, cordoned: bool) -> NodeOut:
@@ -209,7 +243,7 @@ def set_cordoned(ctx: ServiceContext, caller: Principal, ref: str, cordoned: boo
             node.version += 1
             if not cordoned:
                 retry_unschedulable(session)
-        return _node_out(node, _allocated_gpus(session).get(node.id, 0))
+        return node_out(session, node, _allocated_gpus(session).get(node.id, 0))
 
 
 def expire_leases(ctx: ServiceContext) -> list[str]:
@@ -236,22 +270,29 @@ def expire_leases(ctx: ServiceContext) -> list[str]:
                         assignments_revision=NodeModel.assignments_revision + 1),
             )
             if marked:
-                _lose_pods(session, node_id, name, now)
+                _lose_pods(ctx, session, node_id, name, now)
                 lost.append(name)
     return lost
 
 
-def _lose_pods(session: Session, node_id: str, node_name: str,
+def _lose_pods(ctx: ServiceContext, session: Session, node_id: str, node_name: str,
                now: datetime) -> None:
     pods = session.scalars(
         select(PodModel).where(PodModel.node_id == node_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES))
     ).all()
     for pod in pods:
-        transition(session, pod, PodPhase.LOST, now, "NodeLost",
+        transition(session, pod, PodPhase.LOST, now, spot.NODE_LOST,
                    f"node {node_name} stopped renewing its lease")
         pod.finished_at = now
-        if pod.deleted_at is None and pod.desired_state == "running" and should_restart(
-            RestartPolicy(pod.restart_policy), PodPhase.LOST
-        ):
-            requeue(session, pod, now, "Rescheduling", f"node {node_name} was lost")
+        spot.count(session, pod, StopReason.NODE_LOST, now)  # an unannounced interruption
+        if pod.job_id is not None or pod.deleted_at is not None:
+            continue  # a job's members: the gang restarts as a unit (services/gangs)
+        noticed = spot.notice_of(pod)
+        wanted = pod.desired_state == "running" or (
+            noticed is not None and spot.restarts_after_preemption(pod, noticed.reason))
+        if wanted and (spot.restarts_after_loss(pod) or should_restart(
+                RestartPolicy(pod.restart_policy), PodPhase.LOST)):
+            requeue(session, pod, now, "Rescheduling",
+                    f"node {node_name} was lost ({spot.NODE_LOST})")
+            spot.avoid(ctx, pod, node_id, now)
             pod.restart_count += 1

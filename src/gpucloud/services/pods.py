@@ -27,15 +27,27 @@ from gpucloud.core.phases import (
     RestartPolicy,
 )
 from gpucloud.core.spec import check_gpus
+from gpucloud.core.spot import priority_class_of
 from gpucloud.db.models import Base, NodeModel, PodEventModel, PodLogChunkModel, PodModel
 from gpucloud.db.session import on_commit
 from gpucloud.scheduler import Explanation
-from gpucloud.services import migration, priorities, templates, volumes, wakeups
+from gpucloud.services import (
+    admission,
+    checkpoint_index,
+    interval,
+    meter,
+    migration,
+    priorities,
+    templates,
+    volumes,
+    wakeups,
+)
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.projects import Principal
 from gpucloud.services.proxy import new_proxy_token
 from gpucloud.services.spec import check_spec, spec_columns, spec_out
+from gpucloud.services.transparent import check_transparent
 
 #: Pending reasons whose message is the answer to ``why``: over quota, or waiting for the
 #: victims of its preemption to stop.
@@ -53,7 +65,10 @@ def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
         priority_class=pod.priority_class, priority=pod.priority,
         max_duration=pod.max_duration_seconds, template=pod.template,
         created_at=pod.created_at, updated_at=pod.updated_at, started_at=pod.started_at,
-        finished_at=pod.finished_at, **spec_out(pod), **_network_out(pod),
+        finished_at=pod.finished_at, preemptions=pod.preemptions or 0,  # None: not flushed
+        last_preemption_reason=pod.last_preemption_reason,
+        last_preempted_at=pod.last_preempted_at, time_lost_seconds=pod.time_lost_seconds or 0.0,
+        **spec_out(pod), **_network_out(pod),
     )
 
 
@@ -71,8 +86,10 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
     """
     request = templates.apply_template(ctx, caller, request)
     check_spec(ctx, caller.project_id, request)
+    check_transparent(ctx, request, gpus=request.gpus)
     now = ctx.clock.now()
-    priority_class, priority = priorities.resolve_cached(ctx, request.priority_class)
+    priority_class, priority = priorities.resolve_cached(
+        ctx, priority_class_of(request, request.priority_class))
     row = dict(
         id=new_id(), project_id=caller.project_id, name=request.name,
         phase=PodPhase.PENDING.value, reason="Created", message=None, desired_state="running",
@@ -85,8 +102,11 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
     pod = PodModel(**row)
     # The API's hottest write is one INSERT, atomic on its own: the creation event is
     # derived from the row (see list_events), the unique index settles duplicate names.
+    # A project with a spend limit or prepaid credit: the check and the INSERT are one
+    # transaction holding its limit row (services/admission).
     try:
-        ctx.db.execute_atomic(_INSERT_POD, row)
+        if not admission.admit_and_insert(ctx, caller, row, _INSERT_POD):
+            ctx.db.execute_atomic(_INSERT_POD, row)
     except IntegrityError as error:
         if _name_taken(ctx, caller, request.name):
             raise InvalidInput(
@@ -137,6 +157,8 @@ def get_pod(ctx: ServiceContext, caller: Principal, ref: str) -> PodOut:
         pod = _find(session, caller, ref)
         out = pod_out(pod, caller.project_name, _node_name(session, pod.node_id))
         out.volume_node = _node_name(session, pod.volume_node_id)
+        out.last_checkpoint = checkpoint_index.last_checkpoint(session, pod)
+        interval.add_to_pod_out(ctx, session, pod, out)
         return out
 
 
@@ -193,6 +215,7 @@ def stop_pod(ctx: ServiceContext, caller: Principal, ref: str,
         pod = _find(session, caller, ref)
         _not_a_member(pod)
         pod.stop_grace_seconds = grace_seconds
+        pod.stop_notice = None  # the user's stop: no requeue after a preemption under way
         phase = PodPhase(pod.phase)
         if phase in {PodPhase.PENDING, PodPhase.LOST}:
             transition(session, pod, PodPhase.STOPPED, now, "StoppedByUser")
@@ -248,6 +271,7 @@ def requeue(session: Session, pod: PodModel, now: datetime, reason: str,
     pod.unschedulable = None
     pod.not_before = None
     pod.network = None  # the next attempt gets its own address and ports
+    pod.stop_notice = None
 
 
 def delete_pod(ctx: ServiceContext, caller: Principal, ref: str) -> None:
@@ -260,6 +284,7 @@ def delete_pod(ctx: ServiceContext, caller: Principal, ref: str) -> None:
         pod.desired_state = "deleted"
         pod.version += 1
         record_event(session, pod.id, now, "Deleted")
+        meter.close_run(session, pod, now, "Deleted")  # its agent kills it without a report
         if PodPhase(pod.phase) in ACTIVE_PHASES:
             bump_assignments(session, pod.node_id)
 

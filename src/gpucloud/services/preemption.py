@@ -38,7 +38,7 @@ from gpucloud.scheduler.preemption import (
     without_victims,
 )
 from gpucloud.scheduler.quota import Ledger, gpu_capacity
-from gpucloud.services import backfill, gangs, quotas, scheduling
+from gpucloud.services import backfill, gangs, quotas, scheduling, spot
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import record_event
 from gpucloud.services.pods import bump_assignments
@@ -117,20 +117,17 @@ def _why(plan: PreemptionPlan, victim: str, preemptor: str) -> str:
 
 def _stop_pod(ctx: ServiceContext, session: Session, pod_id: str, version: int, why: str,
               now: datetime) -> bool:
-    grace = ctx.settings.preemption_grace_seconds
     values: dict[str, object] = {"desired_state": "stopped", "reason": PREEMPTED,
                                  "message": why, "updated_at": now,
                                  "version": PodModel.version + 1}
-    if grace is not None:
-        values["stop_grace_seconds"] = grace
     stopped = rows_changed(session, update(PodModel).where(
         PodModel.id == pod_id, PodModel.version == version, PodModel.phase.in_(ACTIVE_PHASE_VALUES),
         PodModel.desired_state == "running", PodModel.deleted_at.is_(None)).values(**values))
     if not stopped:
         return False
-    record_event(session, pod_id, now, PREEMPTED, why)
-    bump_assignments(session, session.scalar(select(PodModel.node_id)
-                                             .where(PodModel.id == pod_id)))
+    pod = session.get_one(PodModel, pod_id, populate_existing=True)
+    spot.give_notice(ctx, session, pod, spot.reason_for(pod), why, now)
+    bump_assignments(session, pod.node_id)
     return True
 
 
@@ -141,13 +138,9 @@ def _stop_gang(ctx: ServiceContext, session: Session, job: JobModel | None, why:
             job.desired_state != "running"):
         return False
     members = gangs.lock_members(session, job.id)
-    grace = ctx.settings.preemption_grace_seconds
-    if grace is not None:
-        for member in members:
-            member.stop_grace_seconds = grace
-    for member in members:
+    for member in members:  # every member is noticed at once
         if PodPhase(member.phase) in ACTIVE_PHASES:
-            record_event(session, member.id, now, PREEMPTED, why)
+            spot.give_notice(ctx, session, member, spot.reason_for(member), why, now)
     gangs.teardown(ctx, session, job, members, now, gangs.PREEMPT, (PREEMPTED, why))
     return True
 

@@ -14,7 +14,13 @@ from sqlalchemy.orm import Session
 from gpucloud.core.errors import Conflict, Forbidden, NotFound, Unauthorized
 from gpucloud.core.models import KeyCreatedOut, KeyOut, ProjectCreatedOut, ProjectOut
 from gpucloud.db.models import ApiKeyModel, ProjectModel
-from gpucloud.services.context import ServiceContext, hash_secret, new_id, new_secret
+from gpucloud.services.context import (
+    ServiceContext,
+    hash_secret,
+    new_id,
+    new_secret,
+    secret_matches,
+)
 
 ADMIN_PROJECT = "admin"
 KEY_PREFIX = "gpc"
@@ -121,12 +127,13 @@ def authenticate(ctx: ServiceContext, key: str | None) -> Principal:
         return cached
     key_hash = hash_secret(key)
     with ctx.db.transaction() as session:
-        row = session.execute(
-            select(ProjectModel.id, ProjectModel.name, ProjectModel.is_admin)
+        row = session.execute(  # by hash: see secret_matches for why that is safe
+            select(ProjectModel.id, ProjectModel.name, ProjectModel.is_admin,
+                   ApiKeyModel.key_hash)
             .join(ApiKeyModel, ApiKeyModel.project_id == ProjectModel.id)
             .where(ApiKeyModel.key_hash == key_hash, ApiKeyModel.revoked_at.is_(None))
         ).first()
-    if row is None:
+    if row is None or not secret_matches(key, row[3]):
         raise Unauthorized("invalid or revoked API key")
     principal = Principal(project_id=row[0], project_name=row[1], is_admin=row[2])
     ctx.cache.put(key_hash, principal)

@@ -10,13 +10,14 @@ meanwhile, makes the bind a no-op that the next pass retries.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import partial
 
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
+from gpucloud.core.capabilities import CHECKPOINT_TRANSPARENT, CRIU_LABEL
 from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.phases import ACTIVE_PHASE_VALUES, NodeStatus, PodPhase
 from gpucloud.db.models import Base, JobModel, NodeModel, PodModel
@@ -31,10 +32,11 @@ from gpucloud.scheduler import (
 )
 from gpucloud.scheduler.preemption import with_placements
 from gpucloud.scheduler.quota import Ledger, drf_capacity, gpu_capacity
-from gpucloud.scheduler.types import FULL_GPU_MILLI
-from gpucloud.services import backfill, migration, quotas, wakeups
+from gpucloud.scheduler.types import FULL_GPU_MILLI, NodeLoad
+from gpucloud.services import backfill, loadaware, migration, quotas, wakeups
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, record_events
+from gpucloud.services.transparent import criu_labels
 
 LOCK_SECONDS = 30.0
 OVER_QUOTA = "OverQuota"
@@ -86,6 +88,11 @@ class LeasedPod:
     volume_bytes: int | None = None
     #: The name of the node holding the pod's volume disk: the only one it may go to.
     volume_node: str | None = None
+    #: ``transparent``: only nodes whose CRIU canary passed (``services.transparent``).
+    checkpoint_mode: str | None = None
+    #: The node it was just preempted from, avoided until ``avoid_until`` (services/spot).
+    avoid_node: str | None = None
+    avoid_until: datetime | None = None
 
     def reservation(self, now: datetime) -> tuple[str, dict[str, int]] | None:
         """The node id and GPUs held for this pod by a preemption, while they are."""
@@ -95,13 +102,19 @@ class LeasedPod:
         return None
 
 
+#: The node a pending pod was just preempted from (``lease_pending`` drops it once
+#: ``avoid_until`` has passed on the service clock).
+_AVOID_NODE = (select(NodeModel.name).where(NodeModel.id == PodModel.avoid_node_id)
+               .scalar_subquery().label("avoid_node"))
 _LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_type,
                    PodModel.cpu_milli, PodModel.memory_bytes, PodModel.unschedulable,
                    PodModel.project_id, PodModel.priority, PodModel.nominated_node_id,
                    PodModel.nominated_gpu_milli, PodModel.nominated_until,
                    PodModel.max_duration_seconds, PodModel.volume_bytes,
+                   PodModel.checkpoint_mode,
                    select(NodeModel.name).where(NodeModel.id == PodModel.volume_node_id)
-                   .scalar_subquery().label("volume_node"))
+                   .scalar_subquery().label("volume_node"), _AVOID_NODE,
+                   PodModel.avoid_until)
 
 
 def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
@@ -131,7 +144,14 @@ def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]
             select(*_LEASED_COLUMNS).where(PodModel.lock_token == token)
             .order_by(PodModel.priority.desc(), PodModel.created_at, PodModel.id)
         ).all()
-        return token, [LeasedPod(**row._mapping) for row in rows]
+        return token, [_avoiding(LeasedPod(**row._mapping), now) for row in rows]
+
+
+def _avoiding(pod: LeasedPod, now: datetime) -> LeasedPod:
+    """The pod, without its avoided node once that has run out."""
+    if pod.avoid_node is not None and (pod.avoid_until is None or pod.avoid_until <= now):
+        return replace(pod, avoid_node=None)
+    return pod
 
 
 def pod_request(pod: LeasedPod) -> PodRequest:
@@ -139,7 +159,10 @@ def pod_request(pod: LeasedPod) -> PodRequest:
     share = round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0
     return PodRequest(key=pod.id, gpus=whole, gpu_milli=share, gpu_model=pod.gpu_type,
                       cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes,
-                      required_node=pod.volume_node)
+                      required_node=pod.volume_node,
+                      avoid_nodes=(pod.avoid_node,) if pod.avoid_node else (),
+                      node_selector=({CRIU_LABEL: "true"}
+                                     if pod.checkpoint_mode == CHECKPOINT_TRANSPARENT else {}))
 
 
 def _usage(session: Session, now: datetime) -> Usage:
@@ -169,7 +192,7 @@ def _usage(session: Session, now: datetime) -> Usage:
 
 
 def node_state(node: NodeModel, gpu_used: dict[int, int], cpu_used: int,
-               memory_used: int) -> NodeState:
+               memory_used: int, load: NodeLoad | None = None) -> NodeState:
     gpus = tuple(
         GpuState(index=g["index"], uuid=g["uuid"], model=g["model"],
                  memory_mib=g["memory_mib"], numa_node=g.get("numa_node", 0),
@@ -178,17 +201,18 @@ def node_state(node: NodeModel, gpu_used: dict[int, int], cpu_used: int,
         for g in node.gpus
     )
     return NodeState(name=node.name, cpu_milli=node.cpu_milli, memory_bytes=node.memory_bytes,
-                     gpus=gpus, labels=dict(node.labels), cordoned=node.cordoned,
+                     gpus=gpus, labels=criu_labels(node), cordoned=node.cordoned,
                      ready=node.status == NodeStatus.READY.value,
-                     cpu_used_milli=cpu_used, memory_used_bytes=memory_used)
+                     cpu_used_milli=cpu_used, memory_used_bytes=memory_used, load=load)
 
 
 def snapshot(ctx: ServiceContext) -> Snapshot:
     with ctx.db.read() as session:
         nodes = session.scalars(select(NodeModel).order_by(NodeModel.name)).all()
         gpu, cpu, memory = _usage(session, ctx.clock.now())
-    states = [node_state(n, gpu.get(n.id, {}), cpu.get(n.id, 0), memory.get(n.id, 0))
-              for n in nodes]
+        loads = loadaware.node_loads(session, ctx.clock.now(), nodes)
+    states = [node_state(n, gpu.get(n.id, {}), cpu.get(n.id, 0), memory.get(n.id, 0),
+                         loads.get(n.id)) for n in nodes]
     return Snapshot(states, {n.name: n for n in nodes}, (gpu, cpu, memory))
 
 

@@ -28,7 +28,8 @@ from gpucloud.services.context import ServiceContext
 #: The columns of ``ContainerSpecColumns``, in the order the mixin declares them.
 SPEC_COLUMNS = ("image", "command", "env", "gpu_type", "cpu_milli", "memory_bytes",
                 "entrypoint", "volume_bytes", "volume_path", "container_disk_bytes",
-                "network_volumes", "registry_auth")
+                "network_volumes", "registry_auth", "checkpoint_dir", "checkpoint_signal",
+                "checkpoint_mode", "spot", "bid", "grace_seconds")
 
 
 def spec_columns(spec: ContainerSpec) -> dict[str, Any]:
@@ -44,7 +45,9 @@ def spec_columns(spec: ContainerSpec) -> dict[str, Any]:
         "volume_path": spec.volume_path or (DEFAULT_VOLUME_PATH if spec.volume_bytes else None),
         "container_disk_bytes": spec.container_disk_bytes,
         "network_volumes": [_mount(item) for item in spec.network_volumes] or None,
-        "registry_auth": spec.registry_auth,
+        "registry_auth": spec.registry_auth, "checkpoint_dir": spec.checkpoint_dir,
+        "checkpoint_signal": spec.checkpoint_signal, "checkpoint_mode": spec.checkpoint,
+        "spot": spec.spot, "bid": spec.bid, "grace_seconds": spec.grace,
     }
 
 
@@ -77,6 +80,9 @@ def spec_out(row: ContainerSpecColumns) -> dict[str, Any]:
         "entrypoint": row.entrypoint, "volume_size": row.volume_bytes,
         "volume_path": row.volume_path, "container_disk": row.container_disk_bytes,
         "network_volumes": _mounts(row), "registry_auth": row.registry_auth,
+        "checkpoint_dir": row.checkpoint_dir,
+        "checkpoint_signal": row.checkpoint_signal, "checkpoint": row.checkpoint_mode,
+        "spot": row.spot, "bid": row.bid, "grace": row.grace_seconds,
     }
 
 
@@ -88,6 +94,9 @@ def spec_request(row: ContainerSpecColumns) -> dict[str, Any]:
         "entrypoint": row.entrypoint, "volume_size": row.volume_bytes,
         "volume_path": row.volume_path, "container_disk": row.container_disk_bytes,
         "network_volumes": _mounts(row), "registry_auth": row.registry_auth,
+        "checkpoint_dir": row.checkpoint_dir,
+        "checkpoint_signal": row.checkpoint_signal, "checkpoint": row.checkpoint_mode,
+        "spot": row.spot, "bid": row.bid, "grace": row.grace_seconds,
     }
     return {key: value for key, value in values.items() if value is not None}
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,9 +20,12 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from gpucloud.agent.access import AccessServer, pod_addresses, running_container
+from gpucloud.agent.access import pod_addresses
 from gpucloud.runtime.bundle import ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import RuncDriver
+from tests.fixtures.openssh import keygen
+from tests.fixtures.postgres import free_port
+from tests.integration.runtime.access_testing import AccessClient, access_server
 from tests.integration.runtime.runc_testing import wait_until
 
 pytestmark = pytest.mark.root
@@ -33,40 +34,23 @@ POD_ID = "0123456789abcdef0123456789abcdef"
 CID = f"{POD_ID}-1"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def keygen(path: Path) -> Path:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)],
-                   check=True)
-    return path
-
-
 @dataclass
-class Pod:
-    server: AccessServer
-    key: Path
+class Pod(AccessClient):
     http_port: int
     tmp: Path
 
-    @property
-    def port(self) -> int:
-        assert self.server.bound_port is not None
-        return self.server.bound_port
-
-    def ssh_options(self, key: Path | None = None) -> list[str]:
-        return ["-F", "/dev/null", "-i", str(key or self.key), "-o", "IdentitiesOnly=yes",
-                "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
-                "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+    def ssh_argv(self, *args: str, user: str = POD_ID, key: Path | None = None) -> list[str]:
+        return ["ssh", *self.ssh_options(key), "-p", str(self.port), f"{user}@127.0.0.1",
+                *args]
 
     def ssh(self, *args: str, user: str = POD_ID, key: Path | None = None,
             stdin: bytes = b"", timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run(["ssh", *self.ssh_options(key), "-p", str(self.port),
-                               f"{user}@127.0.0.1", *args], input=stdin,
+        return subprocess.run(self.ssh_argv(*args, user=user, key=key), input=stdin,
                               capture_output=True, timeout=timeout, check=False)
+
+    def ssh_in_background(self, command: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(self.ssh_argv("--", command), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture
@@ -78,15 +62,8 @@ def pod(driver: RuncDriver, busybox_rootfs: Path, tmp_path: Path) -> Iterator[Po
     driver.build(ContainerSpec(CID, "pod", command=("sh", "-c", script), host_network=True),
                  busybox_rootfs, ImageConfig(working_dir="/tmp"))
     driver.start(CID)
-    server = AccessServer(driver, lambda pod_id: running_container(driver, [CID], pod_id),
-                          host_key_path=tmp_path / "access_host_key", python=sys.executable)
-    key = keygen(tmp_path / "gateway_key")
-    server.start()
-    server.set_gateway_keys([(tmp_path / "gateway_key.pub").read_text()])
-    try:
-        yield Pod(server, key, http_port, tmp_path)
-    finally:
-        server.stop()
+    with access_server(driver, CID, tmp_path) as (server, key):
+        yield Pod(server, key, POD_ID, http_port, tmp_path)
 
 
 def test_exec_returns_output_stderr_and_exit_code(pod: Pod) -> None:
@@ -114,12 +91,13 @@ def test_tty_with_a_command_gets_a_pty(pod: Pod) -> None:
 
 def test_pty_size_and_window_change_reach_the_container(pod: Pod) -> None:
     async def session() -> str:
-        async with asyncssh.connect(
-                "127.0.0.1", pod.port, username=POD_ID, client_keys=[str(pod.key)],
-                known_hosts=None, config=None) as conn:
+        async with pod.connect() as conn:
+            # A resize reaches the pod's terminal asynchronously (runc applies it on
+            # SIGWINCH), as on any terminal: the script waits for it, boundedly.
             process = await conn.create_process(
-                "stty size; read line; stty size; exit 5", term_type="vt100",
-                term_size=(100, 40), encoding=None)
+                "stty size; read line; i=0; while [ \"$(stty size)\" != '50 132' ] && "
+                "[ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done; stty size; exit 5",
+                term_type="vt100", term_size=(100, 40), encoding=None)
             first = await process.stdout.readuntil(b"\n")
             process.change_terminal_size(132, 50)
             await asyncio.sleep(0)  # the window-change goes out before the line
@@ -167,29 +145,14 @@ def test_sftp_is_confined_to_the_container_root(pod: Pod) -> None:
 
 
 def test_local_forward_reaches_a_server_in_the_pod(pod: Pod) -> None:
-    local = free_port()
-    forward = subprocess.Popen(
-        ["ssh", *pod.ssh_options(), "-p", str(pod.port), "-N",
-         "-o", "ExitOnForwardFailure=yes", "-L", f"{local}:localhost:{pod.http_port}",
-         f"{POD_ID}@127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        def listening() -> bool:
-            with socket.socket() as sock:
-                return sock.connect_ex(("127.0.0.1", local)) == 0
-
-        wait_until(listening, timeout=15, what="ssh -L listening")
-        with urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=10) as response:
-            assert response.read() == b"hello-from-pod\n"
-    finally:
-        forward.terminate()
-        forward.wait(10)
+    with pod.forward("localhost", pod.http_port) as local, \
+            urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=10) as response:
+        assert response.read() == b"hello-from-pod\n"
 
 
 def test_forward_to_another_host_is_refused(pod: Pod) -> None:
     async def attempt() -> str:
-        async with asyncssh.connect(
-                "127.0.0.1", pod.port, username=POD_ID, client_keys=[str(pod.key)],
-                known_hosts=None, config=None) as conn:
+        async with pod.connect() as conn:
             with pytest.raises(asyncssh.ChannelOpenError) as refused:
                 await conn.open_connection("192.0.2.1", pod.http_port)
             return refused.value.reason
@@ -198,7 +161,8 @@ def test_forward_to_another_host_is_refused(pod: Pod) -> None:
 
 
 def test_other_keys_and_unknown_pods_are_denied(pod: Pod) -> None:
-    stranger = keygen(pod.tmp / "stranger")
+    stranger = pod.tmp / "stranger"
+    keygen(stranger)
     denied = pod.ssh("--", "true", key=stranger)
     assert denied.returncode == 255 and b"Permission denied" in denied.stderr
     unknown = pod.ssh("--", "true", user="f" * 32)
@@ -206,10 +170,7 @@ def test_other_keys_and_unknown_pods_are_denied(pod: Pod) -> None:
 
 
 def test_a_client_that_vanishes_takes_its_process_along(pod: Pod) -> None:
-    client = subprocess.Popen(["ssh", *pod.ssh_options(), "-p", str(pod.port),
-                               f"{POD_ID}@127.0.0.1", "--", "sleep 4321 & sleep 4322"],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    client = pod.ssh_in_background("sleep 4321 & sleep 4322")
     wait_until(lambda: len(sleepers()) == 2, timeout=15, what="the remote sleeps")
     client.kill()
     client.wait()
@@ -233,10 +194,7 @@ def sleepers() -> list[int]:
 
 
 def test_stopping_the_server_ends_sessions(pod: Pod) -> None:
-    client = subprocess.Popen(["ssh", *pod.ssh_options(), "-p", str(pod.port),
-                               f"{POD_ID}@127.0.0.1", "--", "sleep 4321"],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    client = pod.ssh_in_background("sleep 4321")
     wait_until(lambda: len(sleepers()) == 1, timeout=15, what="the remote sleep")
     started = time.monotonic()
     pod.server.stop()
@@ -259,9 +217,7 @@ def test_forward_destinations_follow_network_json(pod: Pod) -> None:
 
 def test_a_shell_is_a_login_shell_with_the_exit_status(pod: Pod) -> None:
     async def session() -> tuple[str, int | None]:
-        async with asyncssh.connect(
-                "127.0.0.1", pod.port, username=POD_ID, client_keys=[str(pod.key)],
-                known_hosts=None, config=None) as conn:
+        async with pod.connect() as conn:
             process = await conn.create_process(term_type="xterm", encoding=None)
             process.stdin.write(b"echo shell=$0; exit 7\r")
             output = await process.stdout.read()

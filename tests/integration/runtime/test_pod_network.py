@@ -4,7 +4,6 @@ the agent's bridge; two agents' bridges routed to each other; nothing left behin
 from __future__ import annotations
 
 import ipaddress
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from gpucloud.core.errors import InvalidInput
 from gpucloud.runtime.bundle import ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import RuncDriver
 from gpucloud.runtime.network import NETNS_DIR, BridgeNetwork, PodAddress
+from tests.fixtures.http import http_get
 from tests.integration.runtime.runc_testing import RUNC, cleanup, wait_until
 
 pytestmark = pytest.mark.root
@@ -23,20 +23,6 @@ pytestmark = pytest.mark.root
 #: The test containers share one root filesystem: each serves from a directory of its own.
 SERVE = ("mkdir -p /srv/{name} && echo {name} > /srv/{name}/index.html && "
          "exec httpd -f -p 8000 -h /srv/{name}")
-
-
-def http_get(ip: str, port: int = 8000, timeout: float = 5.0) -> str | None:
-    """The body of ``GET /`` at ip:port, or None when nothing answers (yet)."""
-    try:
-        with socket.create_connection((ip, port), timeout=timeout) as sock:
-            sock.sendall(b"GET / HTTP/1.0\r\nHost: pod\r\n\r\n")
-            chunks = []
-            while data := sock.recv(65536):
-                chunks.append(data)
-    except OSError:
-        return None
-    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
-    return body.decode().strip() if head.startswith(b"HTTP/1.") else None
 
 
 class Node:
@@ -99,8 +85,8 @@ def test_two_pods_listen_on_one_port_each_at_its_own_address(nodes: list[Node]) 
     subnet = node.network.subnet
     assert subnet is not None and subnet.prefixlen == 24
     assert {ipaddress.IPv4Address(first.ip), ipaddress.IPv4Address(second.ip)} <= set(subnet)
-    wait_until(lambda: http_get(first.ip) == "first", what="the first pod's server")
-    wait_until(lambda: http_get(second.ip) == "second", what="the second pod's server")
+    wait_until(lambda: http_get(first.ip, 8000) == "first", what="the first pod's server")
+    wait_until(lambda: http_get(second.ip, 8000) == "second", what="the second pod's server")
     hosts = (node.driver.paths("c1").etc_dir / "hosts").read_text()
     assert f"{first.ip}\tc1" in hosts
 
@@ -113,7 +99,7 @@ def test_a_pod_of_one_agent_reaches_a_pod_of_another(nodes: list[Node]) -> None:
     assert not a.network.subnet.overlaps(b.network.subnet)
     assert a.network.bridge != b.network.bridge and len(a.network.bridge) <= 15
     server = b.run("srv", SERVE.format(name="served-by-b"))
-    wait_until(lambda: http_get(server.ip) == "served-by-b", what="the server on agent B")
+    wait_until(lambda: http_get(server.ip, 8000) == "served-by-b", what="the server on agent B")
     a.run("cli", f"wget -q -O - http://{server.ip}:8000/ && echo from $(hostname -i)")
     assert a.driver.wait("cli", timeout=15) is not None
     log = a.driver.log_path("cli").read_text()
@@ -151,7 +137,7 @@ def test_a_restarted_agent_keeps_running_pods_and_reclaims_leaks(nodes: list[Nod
     assert restarted.address_of("kept") == kept.ip and restarted.address_of("leaked") is None
     assert not Path(leaked.netns).exists()
     assert restarted.attach("kept") == kept  # adoption: same namespace, same address
-    wait_until(lambda: http_get(kept.ip) == "kept", what="the adopted pod's server")
+    wait_until(lambda: http_get(kept.ip, 8000) == "kept", what="the adopted pod's server")
     again = restarted.attach("new")
     assert again.ip == leaked.ip  # the reclaimed address is handed out again
 

@@ -26,7 +26,7 @@ from gpucloud.agent.migration import (
 )
 from gpucloud.core.models import VolumeExport, VolumeSource
 from gpucloud.runtime.driver import RuncDriver
-from tests.integration.runtime.test_access_server import free_port
+from tests.fixtures.postgres import free_port
 
 pytestmark = pytest.mark.root
 

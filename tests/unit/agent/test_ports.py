@@ -17,6 +17,7 @@ from gpucloud.core.access import PortMapping
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.models import AssignmentOut
 from gpucloud.core.phases import PodPhase
+from tests.fixtures.postgres import free_port
 
 
 @pytest.fixture
@@ -42,12 +43,6 @@ def echo() -> Iterator[tuple[str, int]]:
     threading.Thread(target=serve, daemon=True).start()
     yield server.getsockname()
     server.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def exchange(port: int, payload: bytes) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
@@ -13,13 +14,24 @@ from gpucloud.core.models import (
     AgentLogChunkRequest,
     AgentPodStatusRequest,
     AssignmentsOut,
+    ErrorOut,
     LeaseRequest,
     LeaseResponse,
     NodeRegisterRequest,
     NodeRegisterResponse,
 )
 from gpucloud.core.phases import PodPhase
-from gpucloud.services import agent, gangs, nodes, wakeups
+from gpucloud.core.usage import AgentUsageBatchOut, AgentUsageBatchRequest
+from gpucloud.services import (
+    agent,
+    auth_guard,
+    gangs,
+    metrics,
+    nodes,
+    ratelimit,
+    usage,
+    wakeups,
+)
 
 router = APIRouter(prefix="/v1/agent", tags=["agent"])
 POLL_SECONDS = 0.25
@@ -31,16 +43,22 @@ def _wake(request: Request) -> None:
         runner.wake()
 
 
-@router.post("/register", status_code=201)
+@router.post("/register", status_code=201,
+             responses={401: {"model": ErrorOut, "description": "An unknown or used join token"}})
 def register(body: NodeRegisterRequest, ctx: Ctx, request: Request) -> NodeRegisterResponse:
-    response = nodes.register_node(ctx, body)
+    """A refused join token counts against the caller's address (ratelimit.py)."""
+    keys = ratelimit.api_keys(request.client.host if request.client else None,
+                              body.join_token)
+    response = auth_guard.authenticated(ctx, keys, partial(nodes.register_node, ctx, body))
     _wake(request)
     return response
 
 
 @router.post("/lease")
 def lease(body: LeaseRequest, ctx: Ctx, node_id: NodeId) -> LeaseResponse:
-    return nodes.renew_lease(ctx, node_id, body.fencing_token)
+    response = nodes.renew_lease(ctx, node_id, body.fencing_token)
+    metrics.LEASES_RENEWED.inc()
+    return response
 
 
 @router.get("/assignments")
@@ -85,3 +103,12 @@ def pod_ready(pod_id: str, body: AgentPodReadyRequest, ctx: Ctx, node_id: NodeId
 def pod_logs(pod_id: str, body: AgentLogChunkRequest, ctx: Ctx,
              node_id: NodeId) -> dict[str, int]:
     return {"next_offset": agent.append_log(ctx, node_id, pod_id, body)}
+
+
+@router.post("/usage", responses={
+    409: {"model": ErrorOut, "description": "A stale fencing token, or a pod attempt that "
+                                            "was never on this node: nothing is stored"},
+    422: {"model": ErrorOut, "description": "A sample far in the future, or malformed"}})
+def post_usage(body: AgentUsageBatchRequest, ctx: Ctx, node_id: NodeId) -> AgentUsageBatchOut:
+    """Usage samples, cumulative per (pod, attempt, seq): a resent batch stores nothing."""
+    return usage.ingest(ctx, node_id, body)

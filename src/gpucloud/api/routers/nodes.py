@@ -5,15 +5,30 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from gpucloud.api.deps import Admin, Caller, Ctx
-from gpucloud.core.models import JoinTokenOut, NodeOut
-from gpucloud.services import nodes
+from gpucloud.core.models import JoinTokenInfoOut, JoinTokenOut, JoinTokenRequest, NodeOut
+from gpucloud.core.spot import NodeDrainRequest
+from gpucloud.services import drain, join_tokens, nodes
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 
 
 @router.post("/join-tokens", status_code=201)
-def create_join_token(ctx: Ctx, caller: Admin) -> JoinTokenOut:
-    return nodes.create_join_token(ctx, caller)
+def create_join_token(ctx: Ctx, caller: Admin,
+                      body: JoinTokenRequest | None = None) -> JoinTokenOut:
+    """A new join token (shown once); ``uses`` limits its registrations, ``ttl_seconds``
+    its life."""
+    return nodes.create_join_token(ctx, caller, body)
+
+
+@router.get("/join-tokens")
+def list_join_tokens(ctx: Ctx, caller: Admin) -> list[JoinTokenInfoOut]:
+    return join_tokens.list_tokens(ctx, caller)
+
+
+@router.post("/join-tokens/{ref}/revoke")
+def revoke_join_token(ref: str, ctx: Ctx, caller: Admin) -> JoinTokenInfoOut:
+    """Refuse the token from now on (by id or printed prefix); registered nodes stay."""
+    return join_tokens.revoke(ctx, caller, ref)
 
 
 @router.get("")
@@ -38,3 +53,25 @@ def uncordon(ref: str, ctx: Ctx, caller: Admin, request: Request) -> NodeOut:
     if runner is not None:
         runner.wake()
     return node
+
+
+@router.post("/{ref}/drain")
+def drain_node(ref: str, body: NodeDrainRequest, ctx: Ctx, caller: Admin,
+               request: Request) -> NodeOut:
+    node = drain.drain_node(ctx, caller, ref, body)
+    _wake(request)
+    return node
+
+
+@router.post("/{ref}/undrain")
+def undrain_node(ref: str, ctx: Ctx, caller: Admin, request: Request) -> NodeOut:
+    node = drain.undrain_node(ctx, caller, ref)
+    _wake(request)
+    return node
+
+
+def _wake(request: Request) -> None:
+    """Run the controllers now: pods to place elsewhere, or a node open again."""
+    runner = getattr(request.app.state, "controllers", None)
+    if runner is not None:
+        runner.wake()

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from gpucloud.core.gpu_models import canonical_name, lookup
 from gpucloud.scheduler.mig import MIG_SLOTS, mig_capable_model
-from gpucloud.scheduler.types import FULL_GPU_MILLI, GpuState, NodeState
+from gpucloud.scheduler.types import FULL_GPU_MILLI, GpuState, NodeLoad, NodeState
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -97,6 +97,8 @@ class ClusterState:
         # once per class instead of once per node.
         self.node_class = np.zeros(n, np.int64)
         self.num_classes = 1
+        # Observed use per node (static for a pass; ``loadaware.set_loads`` replaces it).
+        self.loads: list[NodeLoad | None] = [None] * n
         # Plugin-owned bookkeeping that must follow the state (e.g. shape tags per node).
         self.extensions: dict[str, object] = {}
         self.version = 0
@@ -151,6 +153,7 @@ class ClusterState:
         self.mem_free[i] = node.memory_bytes - node.memory_used_bytes
         self.ready[i] = node.ready
         self.cordoned[i] = node.cordoned
+        self.loads[i] = node.load
         self.gpu_count[i] = len(node.gpus)
         self.gpu_index[i] = [gpu.index for gpu in node.gpus]
         domains = _nvlink_domains(node.gpus)

@@ -107,6 +107,29 @@ class RequiredNode:
         return [(volume_on(required), bad)]
 
 
+def preempted_on(node: str) -> str:
+    """The rejection reason of the node a pod was just preempted from."""
+    return f"just preempted from node {node}"
+
+
+class AvoidNode:
+    """Rejects ``PodRequest.avoid_nodes``: a preempted pod is not placed straight back on
+    the node that preempted it."""
+
+    name = "AvoidNode"
+
+    def __init__(self, _args: PluginArgs) -> None:
+        pass
+
+    def filter(self, cycle: Cycle, state: ClusterState, nodes: IntArray) -> Rejections:
+        avoided = cycle.pod.avoid_nodes
+        if not avoided:
+            return []
+        names = state.names
+        return [(preempted_on(node), np.array([names[i] == node for i in nodes], np.bool_))
+                for node in avoided]
+
+
 class CpuMemoryFit:
     """Rejects nodes without the free CPU or memory the pod requests."""
 

@@ -1,0 +1,183 @@
+"""Limits every request body meets before a router sees it: its size, and values no
+database column can hold.
+
+The size limit answers 413 in the one error shape, before a large body is read.
+
+1 MiB is far above any API request a person sends (a container spec with 512 variables
+and 1,024 arguments fits); the agent protocol ships log chunks of up to 1 MiB of text,
+which JSON escaping can grow several times, so ``/v1/agent/`` routes get more. The limit
+is checked against ``Content-Length`` first and then counted as the body streams in, so a
+chunked upload cannot slip past it.
+
+A JSON body is then checked as a whole, whatever route it is for, so a route added later
+is covered too (422 naming the field, as pydantic's own errors): every integer within
+PostgreSQL's BIGINT, every number finite (Python's JSON reads ``NaN`` and ``1e999``), and no
+NUL character in any string or key (PostgreSQL's text cannot store one; SQLite can, so
+without this the same request would work on one database and fail on the other). Pod
+output is the exception: a program may print NUL, and the agent's log route keeps it
+(the log service stores it as a space, same byte length).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+DEFAULT_BODY_LIMIT = 1024 * 1024
+AGENT_BODY_LIMIT = 16 * 1024 * 1024
+AGENT_PREFIX = "/v1/agent/"
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+#: Routes whose strings may carry NUL: pod output.
+_NUL_ALLOWED = re.compile(r"^/v1/agent/pods/[^/]+/logs$")
+_JSON_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
+
+
+def body_limit(path: str) -> int:
+    """The largest request body, in bytes, that ``path`` accepts."""
+    return AGENT_BODY_LIMIT if path.startswith(AGENT_PREFIX) else DEFAULT_BODY_LIMIT
+
+
+def too_large_detail(limit: int) -> str:
+    return f"request body is larger than {limit // 1024} KiB"
+
+
+class BodyLimitMiddleware:
+    """Refuse HTTP request bodies past :func:`body_limit` with 413."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = body_limit(scope["path"])
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await _send_error(send, 413, too_large_detail(limit))
+            return
+        receive = _counting(receive, limit)
+        if scope["method"] in _JSON_METHODS and _is_json(scope):
+            try:
+                body = await _read_body(receive)
+            except HTTPException as error:
+                await _send_error(send, error.status_code, str(error.detail))
+                return
+            problem = check_json_body(body, nul_allowed=bool(_NUL_ALLOWED.match(scope["path"])))
+            if problem is not None:
+                await _send_error(send, 422, problem[1], problem[0])
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+
+def check_json_body(body: bytes, nul_allowed: bool = False) -> tuple[str, str] | None:
+    """(field, message) of the first value in a JSON body that no column can hold; None
+    when there is none, or when the body is not JSON at all (the router says so)."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None
+    return _first_problem(document, (), nul_allowed)
+
+
+def _first_problem(value: Any, path: tuple[str, ...],
+                   nul_allowed: bool) -> tuple[str, str] | None:
+    field = ".".join(path) or "body"
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            return field, f"{field}: must be between -2^63 and 2^63-1"
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (field, f"{field}: must be a finite number")
+    if isinstance(value, str):
+        if "\x00" in value and not nul_allowed:
+            return field, f"{field}: must not contain a NUL character"
+        return None
+    if isinstance(value, list):
+        items: list[tuple[str, Any]] = [(str(i), item) for i, item in enumerate(value)]
+    else:
+        items = list(value.items())
+    for key, item in items:
+        if "\x00" in key and not nul_allowed:
+            return field, f"{field}: a key must not contain a NUL character"
+        problem = _first_problem(item, (*path, key), nul_allowed)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _is_json(scope: Scope) -> bool:
+    for name, value in scope.get("headers", []):
+        if name == b"content-type":
+            return b"json" in value.lower()
+    return False
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body once, as one message; then whatever the client sends (a disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _counting(receive: Receive, limit: int) -> Receive:
+    """``receive`` that raises 413 (mapped by ``api.errors``) once the body passes ``limit``."""
+    seen = 0
+
+    async def counted() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise HTTPException(413, too_large_detail(limit))
+        return message
+
+    return counted
+
+
+async def _send_error(send: Send, status: int, detail: str, field: str = "body") -> None:
+    body = json.dumps({"detail": detail, "field": field}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

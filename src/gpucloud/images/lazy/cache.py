@@ -1,0 +1,163 @@
+"""The node's chunk cache: uncompressed eStargz chunks by ``chunkDigest``, shared by layers.
+
+A chunk is verified (sha256 of its bytes against the digest it is filed under) before it
+is inserted, so one tenant's fetch can never poison another's read; a file appears under
+its name only by an atomic rename of a complete temporary file. The cache keeps itself
+under ``limit`` bytes by evicting least-recently-used chunks (use is tracked in memory and
+seeded from modification times at start). A full disk never corrupts anything: the insert
+evicts and tries once more, and if that fails too the chunk is simply not cached (the
+reader still gets its verified bytes).
+
+Layout: ``<root>/sha256/<hex>`` chunks, ``<root>/tmp/`` partial writes, ``<root>/toc/<hex>``
+verified TOCs (by TOC digest) so a restarted daemon can mount without the registry.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from gpucloud.images.store import digest_hex
+
+log = logging.getLogger(__name__)
+
+
+class ChunkCache:
+    """Content-addressed chunk store with an LRU size limit (``limit`` bytes)."""
+
+    def __init__(self, root: Path, limit: int) -> None:
+        self.root = root
+        self.limit = limit
+        self._chunks = root / "sha256"
+        self._tmp = root / "tmp"
+        self._tocs = root / "toc"
+        for path in (self._chunks, self._tmp, self._tocs):
+            path.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[str, int] = OrderedDict()
+        self.evictions = 0
+        self.insert_failures = 0
+        self._scan()
+
+    @property
+    def used(self) -> int:
+        """Bytes of chunks held now."""
+        with self._lock:
+            return sum(self._lru.values())
+
+    def has(self, digest: str) -> bool:
+        """True when the chunk is cached."""
+        with self._lock:
+            return digest in self._lru
+
+    def get(self, digest: str) -> bytes | None:
+        """The chunk's bytes (and it becomes most recently used), or None."""
+        try:
+            data = (self._chunks / digest_hex(digest)).read_bytes()
+        except FileNotFoundError:
+            with self._lock:
+                self._lru.pop(digest, None)
+            return None
+        with self._lock:
+            if digest in self._lru:
+                self._lru.move_to_end(digest)
+        return data
+
+    def put(self, digest: str, data: bytes) -> bool:
+        """Insert a chunk after checking its digest; True when it is now cached.
+
+        ``ValueError`` when ``data`` does not hash to ``digest`` (nothing is written).
+        A chunk larger than the whole cache is not cached.
+        """
+        actual = "sha256:" + hashlib.sha256(data).hexdigest()
+        if actual != digest:
+            raise ValueError(f"chunk hashed to {actual}, not {digest}")
+        if len(data) > self.limit:
+            return False
+        if self.has(digest):
+            return True
+        self._make_room(len(data))
+        try:
+            self._write(self._chunks / digest_hex(digest), data)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if not self._evict_one():
+                self.insert_failures += 1
+                log.warning("chunk cache: disk full, %s not cached", digest)
+                return False
+            return self._retry_write(digest, data)
+        with self._lock:
+            self._lru[digest] = len(data)
+        return True
+
+    def put_toc(self, toc_digest: str, data: bytes, toc_offset: int) -> None:
+        """Keep a verified TOC (checked by the caller against the layer annotation) and
+        the offset of its member (where the last chunks end)."""
+        path = self._tocs / digest_hex(toc_digest)
+        if not path.exists():
+            self._write(path, b"%d\n" % toc_offset + data)
+
+    def get_toc(self, toc_digest: str) -> tuple[bytes, int] | None:
+        """(TOC JSON, TOC offset) kept earlier, re-verified against its digest, or None."""
+        try:
+            head, _, data = (self._tocs / digest_hex(toc_digest)).read_bytes().partition(b"\n")
+        except FileNotFoundError:
+            return None
+        if not head.isdigit() or "sha256:" + hashlib.sha256(data).hexdigest() != toc_digest:
+            return None
+        return data, int(head)
+
+    def _retry_write(self, digest: str, data: bytes) -> bool:
+        try:
+            self._write(self._chunks / digest_hex(digest), data)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.insert_failures += 1
+            log.warning("chunk cache: disk full after eviction, %s not cached", digest)
+            return False
+        with self._lock:
+            self._lru[digest] = len(data)
+        return True
+
+    def _make_room(self, size: int) -> None:
+        while self.used + size > self.limit and self._evict_one():
+            pass
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used chunk; False when the cache is empty."""
+        with self._lock:
+            if not self._lru:
+                return False
+            digest, _ = self._lru.popitem(last=False)
+            self.evictions += 1
+        (self._chunks / digest_hex(digest)).unlink(missing_ok=True)
+        return True
+
+    def _write(self, final: Path, data: bytes) -> None:
+        fd, name = tempfile.mkstemp(dir=self._tmp, prefix="chunk-")
+        try:
+            with os.fdopen(fd, "wb") as sink:
+                sink.write(data)
+            os.replace(name, final)
+        except BaseException:
+            Path(name).unlink(missing_ok=True)
+            raise
+
+    def _scan(self) -> None:
+        """Seed the LRU from disk (oldest modification first); clear stale temp files."""
+        for stale in self._tmp.iterdir():
+            stale.unlink(missing_ok=True)
+        found = []
+        for path in self._chunks.iterdir():
+            stat = path.stat()
+            found.append((stat.st_mtime, "sha256:" + path.name, stat.st_size))
+        for _, digest, size in sorted(found):
+            self._lru[digest] = size

@@ -1,0 +1,255 @@
+"""HTTP Range reads of one registry blob, for lazily mounted layers.
+
+What registries really do, and what this module does about it:
+
+* The registry usually answers a blob GET with a redirect to blob storage (S3, GCS, a CDN)
+  under a presigned URL. The redirect is followed by hand, with a client that carries no
+  registry credentials (they are for the registry alone); the resolved URL is reused for
+  later ranges, and when storage answers ``403`` (the presigned URL expired) the registry
+  is asked again, once.
+* ``401`` mid-run (a bearer token expired) is answered by ``RegistryAuth`` on the registry
+  client, which fetches a fresh token and resends.
+* Only single ranges are sent (some storage backends refuse multi-range requests); the
+  layer merges adjacent and nearby chunks into one span before calling ``fetch``.
+* A ``200`` with the whole blob (Go's ``ServeContent`` does that, and so does a server
+  without Range support) is accepted: the body is streamed, the bytes before the span are
+  skipped, and the connection is closed after the span, so the blob is never buffered.
+* ``429``/``5xx`` and broken connections are retried with exponential back-off (honouring
+  ``Retry-After``) until the attempts or the read deadline run out; then the caller gets
+  ``RegistryUnavailable`` (the FUSE layer turns it into ``EIO`` and an event).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from gpucloud.images.errors import ImageError, RegistryUnauthorized, RegistryUnavailable
+
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
+_MAX_REDIRECTS = 5
+_MAX_RETRY_AFTER = 5.0
+
+
+class RangeUnsupported(ImageError):
+    """The registry (or its storage) ignores Range requests: pull the layer whole."""
+
+    reason = "RangeUnsupported"
+
+
+@dataclass
+class FetchStats:
+    """What went over the wire for one blob (counted for ``image list`` and the bench)."""
+
+    requests: int = 0
+    bytes: int = 0
+    retries: int = 0
+
+
+@dataclass(frozen=True)
+class Span:
+    """Compressed bytes ``[start, end)`` of a blob, fetched in one request."""
+
+    start: int
+    end: int
+
+
+def merge_spans(spans: list[Span], gap: int, max_size: int) -> list[Span]:
+    """Sort and merge spans that touch or are less than ``gap`` apart, no span over
+    ``max_size`` unless a single input span already is (the gap bytes are fetched too:
+    one request is cheaper than two round trips for a few KiB)."""
+    merged: list[Span] = []
+    for span in sorted(spans, key=lambda s: s.start):
+        if merged:
+            last = merged[-1]
+            if span.start - last.end <= gap and max(span.end, last.end) - last.start <= max_size:
+                merged[-1] = Span(last.start, max(last.end, span.end))
+                continue
+        merged.append(span)
+    return merged
+
+
+class RangeFetcher:
+    """Fetches byte ranges of one blob: ``url`` is the registry's ``/v2/<repo>/blobs/<d>``.
+
+    ``registry_http`` carries the registry auth and must not follow redirects;
+    ``storage_http`` has no auth and is used for redirect targets. ``sleep`` and ``clock``
+    are injectable so tests of the back-off do not wait on the wall clock.
+    """
+
+    def __init__(
+        self,
+        registry_http: httpx.Client,
+        storage_http: httpx.Client,
+        url: str,
+        size: int,
+        *,
+        attempts: int = 5,
+        backoff: float = 0.05,
+        deadline: float = 30.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry_http
+        self._storage = storage_http
+        self.url = url
+        self.size = size
+        self._attempts = attempts
+        self._backoff = backoff
+        self._deadline = deadline
+        self._sleep = sleep
+        self._clock = clock
+        self._resolved: str | None = None
+        self._lock = threading.Lock()
+        self.stats = FetchStats()
+
+    def supports_ranges(self) -> bool:
+        """Ask for the blob's first byte: True on ``206``, False when the whole blob comes."""
+        with self._request(0, 1) as response:
+            return response.status_code == 206
+
+    def fetch(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the blob, retried within the read deadline."""
+        if not 0 <= start < end <= self.size:
+            raise ValueError(f"range [{start}, {end}) outside the blob of {self.size} bytes")
+        give_up = self._clock() + self._deadline
+        for attempt in range(1, self._attempts + 1):
+            try:
+                return self._fetch_once(start, end)
+            except _Retryable as exc:
+                if attempt == self._attempts or self._clock() + exc.wait(self, attempt) > give_up:
+                    raise RegistryUnavailable(
+                        f"reading bytes {start}-{end - 1} of {self.url} failed: {exc}"
+                    ) from exc
+                self.stats.retries += 1
+                self._sleep(exc.wait(self, attempt))
+        raise AssertionError("unreachable")
+
+    def _fetch_once(self, start: int, end: int) -> bytes:
+        with self._request(start, end) as response:
+            if response.status_code == 206:
+                return self._read_partial(response, start, end)
+            return self._read_from_whole(response, start, end)
+
+    def _read_partial(self, response: httpx.Response, start: int, end: int) -> bytes:
+        first = _content_range_start(response.headers.get("Content-Range", ""))
+        if first != start:
+            raise _Retryable(f"asked for offset {start}, got a range from {first}")
+        return self._read_exactly(response, end - start, 0)
+
+    def _read_from_whole(self, response: httpx.Response, start: int, end: int) -> bytes:
+        """A ``200``: skip to ``start`` while streaming, keep ``end - start`` bytes, close."""
+        return self._read_exactly(response, end - start, start)
+
+    def _read_exactly(self, response: httpx.Response, count: int, skip: int) -> bytes:
+        parts: list[bytes] = []
+        have = 0
+        try:
+            for chunk in response.iter_raw():
+                self.stats.bytes += len(chunk)
+                if skip:
+                    dropped = min(skip, len(chunk))
+                    chunk, skip = chunk[dropped:], skip - dropped
+                parts.append(chunk)
+                have += len(chunk)
+                if have >= count:
+                    return b"".join(parts)[:count]
+        except httpx.TransportError as exc:
+            raise _Retryable(f"the download broke off: {exc}") from exc
+        raise _Retryable(f"the response ended after {have} of {count} bytes")
+
+    def _request(self, start: int, end: int) -> _Response:
+        """Open a streamed GET of the range at the resolved URL (resolving it as needed)."""
+        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+        self.stats.requests += 1
+        url = self._location()
+        response = self._open(self._storage if url != self.url else self._registry, url, headers)
+        if response.status_code == 403 and url != self.url:
+            response.close()
+            with self._lock:
+                self._resolved = None
+            url = self._location()
+            response = self._open(self._storage, url, headers)
+        self._check(response)
+        return _Response(response)
+
+    def _location(self) -> str:
+        """The blob's storage URL: the registry's redirect target, cached until a 403."""
+        with self._lock:
+            if self._resolved is not None:
+                return self._resolved
+        url = self.url
+        for _ in range(_MAX_REDIRECTS):
+            client = self._registry if url == self.url else self._storage
+            request = client.build_request("HEAD", url)
+            try:
+                response = client.send(request)
+            except httpx.TransportError as exc:
+                raise _Retryable(f"cannot reach {request.url.netloc.decode()}: {exc}") from exc
+            response.close()
+            if response.status_code not in _REDIRECTS:
+                self._check(response)
+                break
+            url = str(response.url.join(response.headers["Location"]))
+        with self._lock:
+            self._resolved = url
+        return url
+
+    def _open(self, client: httpx.Client, url: str, headers: dict[str, str]) -> httpx.Response:
+        request = client.build_request("GET", url, headers=headers)
+        try:
+            return client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise _Retryable(f"cannot reach {request.url.netloc.decode()}: {exc}") from exc
+
+    def _check(self, response: httpx.Response) -> None:
+        status = response.status_code
+        if status in (200, 206):
+            return
+        response.close()
+        if status in _RETRYABLE:
+            raise _Retryable(f"HTTP {status}", response.headers.get("Retry-After"))
+        if status in (401, 403):
+            raise RegistryUnauthorized(f"access to {self.url} refused (HTTP {status})")
+        raise RegistryUnavailable(f"registry answered HTTP {status} for {self.url}")
+
+
+class _Response:
+    """Closes the streamed response when the ``with`` block ends."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+
+    def __enter__(self) -> httpx.Response:
+        return self.response
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.response.close()
+
+
+class _Retryable(Exception):
+    """A failure worth retrying; ``retry_after`` is the server's hint, if any."""
+
+    def __init__(self, message: str, retry_after: str | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def wait(self, fetcher: RangeFetcher, attempt: int) -> float:
+        """Seconds to wait before the next attempt: Retry-After, else exponential."""
+        if self.retry_after and self.retry_after.isdigit():
+            return min(float(self.retry_after), _MAX_RETRY_AFTER)
+        return float(fetcher._backoff * (2 ** (attempt - 1)))
+
+
+def _content_range_start(header: str) -> int:
+    """The first byte of ``Content-Range: bytes A-B/N``; -1 when unparsable."""
+    try:
+        unit, _, rest = header.partition(" ")
+        return int(rest.split("-", 1)[0]) if unit == "bytes" else -1
+    except ValueError:
+        return -1

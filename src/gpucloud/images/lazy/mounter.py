@@ -1,0 +1,130 @@
+"""The image manager's lazy path: which layers are mounted lazily, and the fallback.
+
+A layer is mounted lazily when its descriptor carries the eStargz TOC annotation and its
+blob is not already in the store. Anything that stops the lazy mount (a registry without
+Range support, a TOC that does not match the annotation, an external TOC, a daemon that
+cannot start) falls back, for that layer alone, to the ordinary full pull and unpack, and
+says so in an event (``LazyPullFallback``). Once a layer is mounted there is no fallback:
+errors reach the reader as ``EIO``. The pods' bundles are the holders of the mounts, so a
+released pod drops its references and the daemon unmounts layers nobody uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from gpucloud.images.auth import Credentials
+from gpucloud.images.client import RegistryClient
+from gpucloud.images.lazy.client import LazyfsClient, LazyfsError
+from gpucloud.images.lazy.toc import TOC_DIGEST_ANNOTATION
+from gpucloud.images.manifest import Descriptor
+from gpucloud.images.pull import Image
+from gpucloud.images.reference import ImageReference, parse_reference
+from gpucloud.images.store import BlobStore
+
+log = logging.getLogger(__name__)
+
+
+def node_lazyfs(state_dir: Path) -> LazyfsClient | None:
+    """The node's lazyfs client when lazy mounts can work here (root and /dev/fuse), else
+    None (every layer is then pulled whole)."""
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        return None
+    return LazyfsClient(state_dir)
+
+
+def is_lazy_candidate(layer: Descriptor) -> bool:
+    """True for layers annotated with an eStargz TOC digest."""
+    return bool(layer.annotations.get(TOC_DIGEST_ANNOTATION))
+
+
+class LazyMounter:
+    """Mounts eStargz layers through the node's lazyfs daemon, or pulls them whole."""
+
+    def __init__(
+        self,
+        client: LazyfsClient,
+        registry: RegistryClient,
+        blobs: BlobStore,
+        credentials: Mapping[str, Credentials],
+        insecure: Iterable[str],
+    ) -> None:
+        self.client = client
+        self._registry = registry
+        self._blobs = blobs
+        self._credentials = dict(credentials)
+        self._insecure = frozenset(insecure)
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, str]] = []
+
+    def skips_download(self, layer: Descriptor) -> bool:
+        """Whether a pull leaves this layer's blob to the lazy mount."""
+        return is_lazy_candidate(layer)
+
+    def mount(self, image: Image, layer: Descriptor, bundle: Path) -> Path | None:
+        """The lazy mount of ``layer`` for the pod at ``bundle``; None: use the blob (now
+        downloaded into the store when the lazy mount was refused)."""
+        if not is_lazy_candidate(layer) or self._blobs.has(layer.digest):
+            return None
+        ref = parse_reference(image.reference)
+        try:
+            return self.client.mount(
+                digest=layer.digest, registry=ref.api_registry, repository=ref.repository,
+                size=layer.size, toc_digest=layer.annotations[TOC_DIGEST_ANNOTATION],
+                holder=str(bundle), insecure=ref.registry in self._insecure,
+                credentials=self._credentials.get(ref.registry))
+        except LazyfsError as exc:
+            self.event("LazyPullFallback", f"layer {layer.digest} of {image.reference}: "
+                       f"{exc.code}: {exc.message}; pulling it whole")
+        self._download(ref, layer)
+        return None
+
+    def release(self, bundle: Path) -> None:
+        """Drop the pod's references to its lazy mounts."""
+        try:
+            self.client.release(str(bundle))
+        except (LazyfsError, OSError) as exc:
+            log.warning("lazyfs release of %s failed: %s", bundle, exc)
+
+    def local_bytes(self, layers: Iterable[Descriptor]) -> tuple[int, int] | None:
+        """(local, total) bytes of ``layers`` when any is lazy, else None. Lazy layers count
+        their cached chunks (uncompressed); stored blobs count whole (compressed)."""
+        local = total = 0
+        lazy = False
+        for layer in layers:
+            if self._blobs.has(layer.digest) or not is_lazy_candidate(layer):
+                size = layer.size
+                local += size if self._blobs.has(layer.digest) else 0
+                total += size
+                continue
+            lazy = True
+            got = self._lazy_local(layer)
+            local += got[0] if got else 0
+            total += got[1] if got else layer.size
+        return (local, total) if lazy else None
+
+    def take_events(self) -> list[tuple[str, str]]:
+        """Fallback events plus the daemon's (chunk mismatches, registry errors)."""
+        with self._lock:
+            events, self._events = self._events, []
+        if self.client.running():
+            events += [(e["reason"], e["message"]) for e in self.client.events()]
+        return events
+
+    def event(self, reason: str, message: str) -> None:
+        log.warning("%s: %s", reason, message)
+        with self._lock:
+            self._events.append((reason, message))
+
+    def _lazy_local(self, layer: Descriptor) -> tuple[int, int] | None:
+        if not self.client.running():
+            return None
+        return self.client.local(layer.digest, layer.annotations[TOC_DIGEST_ANNOTATION])
+
+    def _download(self, ref: ImageReference, layer: Descriptor) -> None:
+        self._blobs.ingest(
+            layer.digest, lambda sink: self._registry.fetch_blob(ref, layer, sink), durable=False)

@@ -1,0 +1,118 @@
+"""The driver's end of the supervisor zygote (``supervisor.serve``).
+
+Starting a supervisor as ``python -m gpucloud.runtime.supervisor`` costs an interpreter
+start and its imports (40–50 ms here, more under load), paid by every pod start. The
+zygote is one such interpreter, started once per driver and kept: a start is a datagram to
+it and a fork there. What runs is the same supervisor code with the same detachment
+(setsid, not the agent's child), so a container started either way looks the same to the
+driver, to ``status`` and to a restarted agent.
+
+The zygote is the driver's child and ends when the driver's socket closes (the agent
+exits); supervisors it started are not its children and keep running. When it cannot be
+reached (it died), the request goes to a new one, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+READ_BYTES = 4096
+
+
+class ZygoteUnavailable(Exception):
+    """The zygote could not be started or reached (the caller execs the supervisor)."""
+
+
+class Zygote:
+    def __init__(self, python: str) -> None:
+        self.python = python
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start_supervisor(self, argv: Sequence[str], timeout: float) -> str:
+        """Have a supervisor started with ``argv`` (what ``supervisor.main`` takes) and
+        return its status line ("" when it ended without one).
+
+        Raises ZygoteUnavailable when no zygote takes the request, TimeoutError when the
+        line does not come within ``timeout`` seconds.
+        """
+        read_end, write_end = os.pipe()
+        try:
+            try:
+                self._send(json.dumps(list(argv)).encode(), write_end)
+            finally:
+                os.close(write_end)  # the supervisor holds the only other copy now
+            return _read_line(read_end, timeout)
+        finally:
+            os.close(read_end)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _send(self, message: bytes, fd: int) -> None:
+        with self._lock:
+            for attempt in range(2):
+                if self._sock is None or (self._process and self._process.poll() is not None):
+                    self._stop()
+                    self._spawn()
+                assert self._sock is not None
+                try:
+                    socket.send_fds(self._sock, [message], [fd])
+                    return
+                except OSError as error:  # it died: once more with a new one
+                    self._stop()
+                    if attempt:
+                        raise ZygoteUnavailable(f"supervisor zygote: {error}") from None
+
+    def _spawn(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # cwd "/": ``python -m`` puts the working directory first on sys.path.
+            self._process = subprocess.Popen(
+                [self.python, "-m", "gpucloud.runtime.supervisor", "--zygote",
+                 str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, cwd="/")
+        except OSError as error:
+            ours.close()
+            raise ZygoteUnavailable(f"cannot start the supervisor zygote: {error}") from None
+        finally:
+            theirs.close()
+        self._sock = ours
+
+    def _stop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()  # the zygote sees EOF and exits
+            self._sock = None
+        if self._process is not None:
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+
+
+def _read_line(fd: int, timeout: float) -> str:
+    """Everything written to ``fd`` until its writers close it (one status line)."""
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            raise TimeoutError
+        chunk = os.read(fd, READ_BYTES)
+        if not chunk:
+            return data.decode(errors="replace").strip()
+        data += chunk

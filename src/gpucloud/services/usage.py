@@ -1,0 +1,273 @@
+"""Usage: samples from the agents, the meter of Running intervals, node load.
+
+* ``ingest``: a batch of samples from a node, fenced like every agent write (a stale
+  token is 409 before anything is stored). A sample counts when its (pod, attempt) is, or
+  was, on that node: the pod is bound there on that attempt, or the meter has that
+  attempt's run there (samples spooled before an agent restart, or sent after the pod
+  ended, still count). Stored once per (node, pod, attempt, seq): a resend is a no-op.
+* The meter's rows are written by ``services.meter`` from the pods' phase transitions.
+* ``pod_runs``: the meter rows overlapping a period with the samples' averages, for
+  pricing; ``node_load``: exponentially weighted recent use per node, for placement.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, insert, or_, select, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from gpucloud.core.errors import Conflict, InvalidInput
+from gpucloud.core.phases import ACTIVE_PHASE_VALUES
+from gpucloud.core.usage import (
+    MAX_FUTURE_SKEW_SECONDS,
+    AgentUsageBatchOut,
+    AgentUsageBatchRequest,
+    NodeLoad,
+    PodLoad,
+    PodRun,
+    UsageSample,
+)
+from gpucloud.db.models import Base, NodeModel, PodModel, PodRunModel, UsageSampleModel
+from gpucloud.services.context import ServiceContext
+from gpucloud.services.fencing import check_fencing
+
+#: node_load: samples older than this are not read; their weight halves every half-life.
+LOAD_WINDOW_SECONDS = 180.0
+LOAD_HALF_LIFE_SECONDS = 30.0
+_KEYS_PER_QUERY = 400
+_SAMPLES = Base.metadata.tables[UsageSampleModel.__tablename__]
+
+
+# -- ingest ----------------------------------------------------------------------------
+
+
+def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest) -> AgentUsageBatchOut:
+    """Store a node's samples; all or nothing (a refused batch stores none)."""
+    now = ctx.clock.now()
+    samples = _unique(batch.samples)
+    _check_times(batch.samples, now)
+    with ctx.db.transaction() as session:
+        node = session.get_one(NodeModel, node_id)
+        check_fencing(node, batch.fencing_token)
+        _check_belongs(session, node, {(s.pod_id, s.attempt) for s in samples})
+        accepted = _insert(session, node_id, samples, now)
+    return AgentUsageBatchOut(accepted=accepted, duplicates=len(batch.samples) - accepted)
+
+
+def _unique(samples: Sequence[UsageSample]) -> list[UsageSample]:
+    """One sample per key (a batch may repeat one; the first wins, as in the table)."""
+    seen: dict[tuple[str, int, int], UsageSample] = {}
+    for sample in samples:
+        seen.setdefault((sample.pod_id, sample.attempt, sample.seq), sample)
+    return list(seen.values())
+
+
+def _check_times(samples: Sequence[UsageSample], now: datetime) -> None:
+    latest = now + timedelta(seconds=MAX_FUTURE_SKEW_SECONDS)
+    for index, sample in enumerate(samples):
+        if sample.time.tzinfo is None:
+            raise InvalidInput(f"samples[{index}].time", "must carry a time zone (UTC)")
+        if sample.time > latest:
+            raise InvalidInput(
+                f"samples[{index}].time",
+                f"{sample.time.isoformat()} is more than {MAX_FUTURE_SKEW_SECONDS:g}s ahead "
+                f"of the server's clock ({now.isoformat()}); is the node's clock right?")
+
+
+def _check_belongs(session: Session, node: NodeModel, keys: set[tuple[str, int]]) -> None:
+    """Conflict naming the first (pod, attempt) that was never on this node."""
+    if not keys:
+        return
+    pod_ids = sorted({pod_id for pod_id, _ in keys})
+    known: set[tuple[str, int]] = set()
+    for chunk in _chunks(pod_ids):
+        known.update((str(p), int(a)) for p, a in session.execute(
+            select(PodModel.id, PodModel.attempt)
+            .where(PodModel.id.in_(chunk), PodModel.node_id == node.id)))
+        known.update((str(p), int(a)) for p, a in session.execute(
+            select(PodRunModel.pod_id, PodRunModel.attempt)
+            .where(PodRunModel.pod_id.in_(chunk), PodRunModel.node_id == node.id)))
+    for pod_id, attempt in sorted(keys - known):
+        raise Conflict(f"pod {pod_id!r} attempt {attempt} is not on node {node.name!r}; "
+                       "its samples are refused")
+
+
+def _row(node_id: str, sample: UsageSample, now: datetime) -> dict[str, Any]:
+    utils = [g.util_percent for g in sample.gpus if g.util_percent is not None]
+    memory = [g.memory_used_bytes for g in sample.gpus if g.memory_used_bytes is not None]
+    return {
+        "node_id": node_id, "pod_id": sample.pod_id, "attempt": sample.attempt,
+        "seq": sample.seq, "time": sample.time, "cpu_seconds": sample.cpu_seconds,
+        "memory_bytes": sample.memory_bytes, "memory_peak_bytes": sample.memory_peak_bytes,
+        "gpu_util_percent": sum(utils) / len(utils) if utils else None,
+        "gpu_memory_bytes": sum(memory) if memory else None,
+        "gpus": [g.model_dump() for g in sample.gpus],
+        "net_rx_bytes": sample.net_rx_bytes, "net_tx_bytes": sample.net_tx_bytes,
+        "disk_bytes": sample.disk_bytes, "received_at": now,
+    }
+
+
+def _insert(session: Session, node_id: str, samples: list[UsageSample], now: datetime) -> int:
+    """INSERT … ON CONFLICT DO NOTHING; returns how many rows were new."""
+    if not samples:
+        return 0
+    table = _SAMPLES
+    dialect = session.get_bind().dialect.name
+    statement: Any
+    if dialect == "postgresql":
+        statement = postgresql.insert(table).on_conflict_do_nothing()
+    elif dialect == "sqlite":
+        statement = sqlite.insert(table).on_conflict_do_nothing()
+    else:  # pragma: no cover - the two supported databases are above
+        statement = insert(table)
+    rows = [_row(node_id, sample, now) for sample in samples]
+    stored = session.execute(statement.returning(table.c.seq), rows).all()
+    return len(stored)
+
+
+def _chunks(items: Sequence[Any]) -> Iterable[Sequence[Any]]:
+    for start in range(0, len(items), _KEYS_PER_QUERY):
+        yield items[start:start + _KEYS_PER_QUERY]
+
+
+# -- reading the meter -------------------------------------------------------------------
+
+
+def pod_runs(session: Session, project_id: str | None, since: datetime | None,
+             until: datetime | None) -> list[PodRun]:
+    """The runs overlapping [since, until) of a project (None: all), oldest first, each
+    with the averages of its samples."""
+    query = select(PodRunModel).order_by(PodRunModel.started_at, PodRunModel.pod_id,
+                                         PodRunModel.attempt)
+    if project_id is not None:
+        query = query.where(PodRunModel.project_id == project_id)
+    if until is not None:
+        query = query.where(PodRunModel.started_at < until)
+    if since is not None:
+        query = query.where(or_(PodRunModel.ended_at.is_(None), PodRunModel.ended_at > since))
+    runs = list(session.scalars(query))
+    aggregates = _aggregates(session, runs)
+    return [_pod_run(run, aggregates.get((run.node_id, run.pod_id, run.attempt)))
+            for run in runs]
+
+
+def _aggregates(session: Session, runs: Sequence[PodRunModel]
+                ) -> dict[tuple[str | None, str, int], Any]:
+    keys = sorted({(r.node_id, r.pod_id, r.attempt) for r in runs if r.node_id is not None})
+    s = UsageSampleModel
+    found: dict[tuple[str | None, str, int], Any] = {}
+    for chunk in _chunks(keys):
+        rows = session.execute(
+            select(s.node_id, s.pod_id, s.attempt, func.count(), func.avg(s.gpu_util_percent),
+                   func.max(s.gpu_memory_bytes), func.max(s.cpu_seconds),
+                   func.max(s.memory_peak_bytes), func.max(s.net_rx_bytes),
+                   func.max(s.net_tx_bytes), func.max(s.disk_bytes))
+            .where(tuple_(s.node_id, s.pod_id, s.attempt).in_(list(chunk)))
+            .group_by(s.node_id, s.pod_id, s.attempt))
+        for row in rows:
+            found[(row[0], row[1], int(row[2]))] = row
+    return found
+
+
+def _pod_run(run: PodRunModel, agg: Any | None) -> PodRun:
+    def number(index: int) -> Any:
+        return None if agg is None or agg[index] is None else agg[index]
+
+    util = number(4)
+    return PodRun(
+        pod_id=run.pod_id, project_id=run.project_id, job_id=run.job_id,
+        attempt=run.attempt, node_id=run.node_id, gpu_type=run.gpu_type, gpus=run.gpus,
+        gpu_milli=run.gpu_milli, mig_profile=run.mig_profile, cpu_milli=run.cpu_milli,
+        memory_bytes=run.memory_bytes, volume_bytes=run.volume_bytes,
+        priority_class=run.priority_class, spot=run.spot, started_at=run.started_at,
+        ended_at=run.ended_at, end_reason=run.end_reason, credited=run.credited,
+        samples=int(agg[3]) if agg is not None else 0,
+        gpu_util_avg=float(util) if util is not None else None,
+        gpu_memory_peak_bytes=_int(number(5)), cpu_seconds=_float(number(6)),
+        memory_peak_bytes=_int(number(7)), net_rx_bytes=_int(number(8)),
+        net_tx_bytes=_int(number(9)), disk_bytes_max=_int(number(10)),
+    )
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+# -- node load ---------------------------------------------------------------------------
+
+
+def node_load(session: Session, now: datetime,
+              window_seconds: float = LOAD_WINDOW_SECONDS,
+              half_life_seconds: float = LOAD_HALF_LIFE_SECONDS) -> dict[str, NodeLoad]:
+    """Per node, the EWMA of its live pods' recent samples (newer samples weigh more:
+    the weight halves every ``half_life_seconds``); only pods still active on that node
+    and attempt count, so a pod that ended is gone at once."""
+    s, p = UsageSampleModel, PodModel
+    rows = session.execute(
+        select(s.node_id, s.pod_id, s.time, s.cpu_seconds, s.memory_bytes, s.gpus,
+               p.started_at)
+        .join(p, and_(p.id == s.pod_id, p.node_id == s.node_id, p.attempt == s.attempt))
+        .where(s.time >= now - timedelta(seconds=window_seconds),
+               p.phase.in_(ACTIVE_PHASE_VALUES))
+        .order_by(s.node_id, s.pod_id, s.time)).all()
+    series: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for row in rows:
+        series[(row[0], row[1])].append(row)
+    loads: dict[str, NodeLoad] = {}
+    for (node_id, pod_id), points in series.items():
+        pod = _pod_load(points, now, half_life_seconds)
+        loads[node_id] = _add(loads.get(node_id), node_id, pod_id, pod, points[-1][2])
+    return loads
+
+
+def _weight(time: datetime, now: datetime, half_life: float) -> float:
+    return float(0.5 ** (max(0.0, (now - time).total_seconds()) / half_life))
+
+
+def _pod_load(points: list[Any], now: datetime, half_life: float) -> PodLoad:
+    """Weighted means of CPU cores (from consecutive cumulative counters; the first
+    sample against the attempt's start), memory and each GPU's utilisation."""
+    cpu: list[tuple[float, float]] = []
+    memory: list[tuple[float, float]] = []
+    gpus: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    previous: tuple[datetime, float] | None = None
+    for _, _, time, cpu_seconds, memory_bytes, per_gpu, started_at in points:
+        weight = _weight(time, now, half_life)
+        base = previous or ((started_at, 0.0) if started_at is not None else None)
+        if base is not None and (time - base[0]).total_seconds() > 0:
+            rate = (cpu_seconds - base[1]) / (time - base[0]).total_seconds()
+            cpu.append((max(0.0, rate), weight))
+        previous = (time, cpu_seconds)
+        memory.append((float(memory_bytes), weight))
+        for gpu in per_gpu or []:
+            if gpu.get("util_percent") is not None:
+                gpus[str(gpu["uuid"])].append((float(gpu["util_percent"]), weight))
+    return PodLoad(cpu_cores=_mean(cpu), memory_bytes=_mean(memory),
+                   gpu_util_percent={uuid: _mean(values) for uuid, values in gpus.items()})
+
+
+def _mean(values: list[tuple[float, float]]) -> float:
+    total = sum(weight for _, weight in values)
+    return sum(value * weight for value, weight in values) / total if total > 0 else 0.0
+
+
+def _add(load: NodeLoad | None, node_id: str, pod_id: str, pod: PodLoad,
+         time: datetime) -> NodeLoad:
+    if load is None:
+        return NodeLoad(node_id, pod.cpu_cores, pod.memory_bytes, dict(pod.gpu_util_percent),
+                        time, {pod_id: pod})
+    gpus = dict(load.gpu_util_percent)
+    for uuid, util in pod.gpu_util_percent.items():
+        gpus[uuid] = gpus.get(uuid, 0.0) + util
+    return NodeLoad(node_id, load.cpu_cores + pod.cpu_cores,
+                    load.memory_bytes + pod.memory_bytes, gpus, max(load.sample_time, time),
+                    {**load.pods, pod_id: pod})

@@ -1,0 +1,140 @@
+"""Schemathesis against a live gpucloud server: the target, the run, and its tally.
+
+The server is the real app under uvicorn on a loopback port (``tests.fixtures.server``),
+with its controllers running, on SQLite or PostgreSQL. The fuzzer reads the server's own
+``/openapi.json`` and authenticates through the document's security schemes: ``ApiKey``
+(an admin key, or a project key) and ``NodeToken`` (a node registered here), so every
+route, the agent protocol included, is reached with credentials that work.
+
+Used by ``tests/fuzz/test_schemathesis.py`` (fixed seeds, bounded examples) and by
+``bench/fuzz.py`` (a longer random run).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import schemathesis
+from schemathesis.engine import Status, events
+
+from gpucloud.core.settings import Settings
+from tests.fixtures.server import live_server
+
+ADMIN_KEY = "gpc_fuzz-admin-key-0123456789"
+ALL_PHASES = ("examples", "coverage", "fuzzing", "stateful")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A running server and the credentials the fuzzer uses on it."""
+
+    url: str
+    admin_key: str
+    project_key: str
+    node_token: str
+
+
+@contextmanager
+def live_target(home: Path, database_url: str) -> Iterator[Target]:
+    """A server with an admin key, a second project's key and a registered node."""
+    # The fuzzer fails authentication on purpose thousands of times a run, from one
+    # address: with the production burst, every request after the first few would be a
+    # 429 (documented, but it would test nothing else).
+    settings = Settings(home=home, database_url=database_url, admin_key=ADMIN_KEY,
+                        lease_ttl_seconds=30.0, auth_failure_burst=10**9,
+                        auth_failures_per_minute=10.0**9)
+    with live_server(settings) as url:
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        with httpx.Client(base_url=url, headers=admin, timeout=30) as client:
+            project = client.post("/v1/projects", json={"name": "fuzz"})
+            project.raise_for_status()
+            join = client.post("/v1/nodes/join-tokens")
+            join.raise_for_status()
+            node = client.post("/v1/agent/register", json={
+                "join_token": join.json()["token"], "name": "fuzz-node", "cpu_cores": 16,
+                "memory_bytes": 64 * 1024**3, "gpus": []})
+            node.raise_for_status()
+        yield Target(url, ADMIN_KEY, project.json()["key"]["key"], node.json()["node_token"])
+
+
+@dataclass
+class Report:
+    """What a run found: counts, and one line per unique failure."""
+
+    operations: int = 0
+    cases: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    details: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    _seen: set[tuple[str, str, str]] = field(default_factory=set)
+
+    def add_failure(self, check: str, label: str, title: str, sample: str) -> None:
+        key = (check, label, title)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.failures[check] += 1
+        self.details.append(f"{check} {label}: {title}\n    {sample[:600]}")
+
+    def summary(self) -> str:
+        checks = ", ".join(f"{name} {count}" for name, count in sorted(self.failures.items()))
+        return (f"{self.operations} operations, {self.cases} test cases, "
+                f"{sum(self.failures.values())} unique failures ({checks or 'none'}), "
+                f"{len(self.errors)} errors")
+
+
+def config(target: Target, key: str, *, seed: int | None, max_examples: int,
+           phases: tuple[str, ...] = ALL_PHASES, workers: int = 2,
+           max_time: int | None = None) -> schemathesis.Config:
+    """All checks, the given phases, the target's credentials by security scheme."""
+    data: dict[str, Any] = {
+        "workers": workers,
+        "checks": {"enabled": True},
+        "generation": {"max-examples": max_examples},
+        "phases": {name: {"enabled": name in phases} for name in ALL_PHASES},
+        "auth": {"openapi": {"ApiKey": {"bearer": key},
+                             "NodeToken": {"bearer": target.node_token}}},
+        "request-timeout": 30,
+        "warnings": False,
+    }
+    if seed is not None:
+        data["seed"] = seed
+        data["generation"]["deterministic"] = True
+    if max_time is not None:
+        data["max-time"] = max_time
+    return schemathesis.Config.from_dict(data)
+
+
+def run(target: Target, settings: schemathesis.Config) -> Report:
+    """Run every enabled phase against the target; tally cases and failures by check."""
+    schema = schemathesis.openapi.from_url(f"{target.url}/openapi.json", config=settings)
+    report = Report(operations=schema.statistic.operations.selected)
+    for event in schemathesis.engine.from_schema(schema).execute():
+        if isinstance(event, events.ScenarioFinished):
+            _tally(report, event)
+        elif isinstance(event, events.NonFatalError | events.FatalError):
+            report.errors.append(_error_line(event))
+    return report
+
+
+def _tally(report: Report, event: events.ScenarioFinished) -> None:
+    recorder = event.recorder
+    report.cases += len(recorder.cases)
+    for checks in recorder.checks.values():
+        for check in checks:
+            if check.status == Status.FAILURE and check.failure_info is not None:
+                info = check.failure_info
+                report.add_failure(check.name, recorder.label, info.failure.title,
+                                   f"{info.failure.message}\n    {info.code_sample}")
+
+
+def _error_line(event: events.NonFatalError | events.FatalError) -> str:
+    if isinstance(event, events.NonFatalError):
+        return f"{event.label}: {event.info.title}: {event.value!r}"[:800]
+    return f"fatal: {event.exception!r}"[:800]

@@ -1,0 +1,359 @@
+"""Lazy pulls over real FUSE mounts from the real test registry (``gpucloud lazyfs``).
+
+Needs root, /dev/fuse and libfuse3 (Debian fuse3); the registry is Debian's docker-registry.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpucloud.images import ImageManager, RootfsMode
+from gpucloud.images.lazy.cache import ChunkCache
+from gpucloud.images.lazy.client import LazyfsClient, LazyfsError
+from gpucloud.images.lazy.estargz import read_toc_file
+from gpucloud.images.testing import (
+    busybox_files,
+    directory,
+    file,
+    hardlink,
+    symlink,
+    whiteout,
+)
+from tests.fixtures.registry import Registry, start_registry
+from tests.integration.images.lazy_testing import (
+    estargz_image,
+    expected_hashes,
+    rangeless_proxy,
+    tree_hashes,
+)
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+                                reason="needs root and /dev/fuse")
+
+BIG = os.urandom(300 << 10)  # five 64 KiB chunks, incompressible
+FILES: dict[str, bytes | str | object] = {
+    "etc/hello.txt": "hello from a lazy layer\n",
+    "data/big.bin": BIG,
+    "data/empty": b"",
+    "data/small.py": "print('x')\n" * 200,
+    "data/link": symlink("small.py"),
+    "data/hard": hardlink("data/small.py"),
+    "opt/": directory(0o700),
+    "bin/tool": file(b"#!/bin/sh\necho tool\n", 0o755),
+    "gone": whiteout(),
+}
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def lazyfs(tmp_path: Path) -> Iterator[LazyfsClient]:
+    client = LazyfsClient(tmp_path / "state", cache_limit=64 << 20, read_deadline=3.0)
+    client.ensure_running()
+    yield client
+    client.shutdown()
+
+
+def _push(registry: Registry, tmp_path: Path, name: str,
+          layers: list[dict[str, bytes | str | object]] | None = None) -> tuple[object, str]:
+    lazy = estargz_image(layers or [FILES], tmp_path)
+    lazy.image.push(registry.host, f"{name}:v1")
+    return lazy, lazy.toc_digests[0]
+
+
+def _mount(client: LazyfsClient, host: str, name: str, lazy: object, toc: str,
+           holder: str = "pod-a") -> Path:
+    layer = lazy.image.layers[0]  # type: ignore[attr-defined]
+    return client.mount(digest=layer.digest, registry=host, repository=name,
+                        size=len(layer.data), toc_digest=toc, holder=holder)
+
+
+def _blob_path(registry: Registry, digest: str) -> Path:
+    hexd = digest.split(":", 1)[1]
+    return (registry.storage / "docker" / "registry" / "v2" / "blobs" / "sha256" / hexd[:2]
+            / hexd / "data")
+
+
+def test_lazy_mount_serves_every_file_verified(registry: Registry, tmp_path: Path,
+                                               lazyfs: LazyfsClient) -> None:
+    lazy, toc = _push(registry, tmp_path, "lazy-basic")
+    mnt = _mount(lazyfs, registry.host, "lazy-basic", lazy, toc)
+    hashes = tree_hashes(mnt)
+    want = expected_hashes(FILES)
+    assert {k: hashes[k] for k in want} == want
+    assert hashes["data/hard"] == hashes["data/small.py"]
+    assert hashes["data/link"] == "link:small.py"
+    assert os.stat(mnt / "data/hard").st_ino == os.stat(mnt / "data/small.py").st_ino
+    assert os.stat(mnt / "data/small.py").st_nlink == 2
+    assert oct(os.stat(mnt / "opt").st_mode & 0o7777) == "0o700"
+    gone = os.lstat(mnt / "gone")  # whiteout in overlayfs form: char device 0:0
+    assert (gone.st_mode & 0o170000) == 0o020000 and gone.st_rdev == 0
+    assert not (mnt / "stargz.index.json").exists()
+    assert not any(p.name.endswith(".landmark") for p in mnt.iterdir())
+    line = next(x for x in Path("/proc/self/mountinfo").read_text().splitlines()
+                if f" {mnt} " in x)
+    assert " ro," in line and "fuse.estargz" in line
+    assert "allow_other" in line and "default_permissions" in line
+    with pytest.raises(OSError) as exc:
+        (mnt / "etc/new").write_text("x")
+    assert exc.value.errno in (errno.EROFS, errno.EACCES)
+
+
+def test_shared_mount_is_refcounted_and_prefetch_completes(registry: Registry, tmp_path: Path,
+                                                           lazyfs: LazyfsClient) -> None:
+    lazy, toc = _push(registry, tmp_path, "lazy-shared")
+    first = _mount(lazyfs, registry.host, "lazy-shared", lazy, toc, "pod-a")
+    second = _mount(lazyfs, registry.host, "lazy-shared", lazy, toc, "pod-b")
+    assert first == second
+    digest = lazy.image.layers[0].digest  # type: ignore[attr-defined]
+    wait_for(lambda: lazyfs.status()["layers"][digest]["prefetch_done"], what="prefetch")
+    layer = lazyfs.status()["layers"][digest]
+    assert layer["local"] == layer["total"] == len(BIG) + 2200 + 20 + 24
+    assert sorted(layer["holders"]) == ["pod-a", "pod-b"]
+    lazyfs.release("pod-a")
+    assert os.path.ismount(first)
+    lazyfs.release("pod-b")
+    assert not os.path.ismount(first)
+    assert lazyfs.local(digest, toc) == (layer["total"], layer["total"])
+
+
+def test_corrupted_chunk_is_refused_with_eio_and_an_event(registry: Registry, tmp_path: Path,
+                                                          lazyfs: LazyfsClient) -> None:
+    lazy, toc = _push(registry, tmp_path, "lazy-corrupt")
+    layer = lazy.image.layers[0]  # type: ignore[attr-defined]
+    blob = tmp_path / "blob"
+    blob.write_bytes(layer.data)
+    parsed = read_toc_file(blob, toc)
+    chunk = parsed.chunks_of("data/big.bin")[2]
+    stored = _blob_path(registry, layer.digest)
+    data = bytearray(stored.read_bytes())
+    middle = (chunk.offset + chunk.end) // 2
+    data[middle] ^= 0xFF  # same size: the registry serves it as it is
+    stored.write_bytes(bytes(data))
+    mnt = _mount(lazyfs, registry.host, "lazy-corrupt", lazy, toc)
+    with (mnt / "data/big.bin").open("rb") as stream:
+        assert stream.read(64 << 10) == BIG[: 64 << 10]  # chunk 0 is fine
+        stream.seek(chunk.chunk_offset)
+        with pytest.raises(OSError) as exc:
+            stream.read(100)
+    assert exc.value.errno == errno.EIO
+    assert hashlib.sha256((mnt / "etc/hello.txt").read_bytes()).hexdigest() == \
+        expected_hashes(FILES)["etc/hello.txt"]
+    reasons = {e["reason"] for e in lazyfs.events()}
+    assert "ChunkDigestMismatch" in reasons
+    cache = ChunkCache(lazyfs.root / "cache", 1 << 30)
+    assert not cache.has(chunk.digest)
+
+
+def test_rangeless_registry_is_refused_for_lazy_mounting(registry: Registry, tmp_path: Path,
+                                                         lazyfs: LazyfsClient) -> None:
+    lazy, toc = _push(registry, tmp_path, "lazy-norange")
+    with rangeless_proxy(registry.host) as proxy, pytest.raises(LazyfsError) as exc:
+        _mount(lazyfs, proxy, "lazy-norange", lazy, toc)
+    assert exc.value.code == "RangeUnsupported"
+
+
+def test_toc_digest_mismatch_is_refused(registry: Registry, tmp_path: Path,
+                                        lazyfs: LazyfsClient) -> None:
+    lazy, _ = _push(registry, tmp_path, "lazy-badtoc")
+    with pytest.raises(LazyfsError) as exc:
+        _mount(lazyfs, registry.host, "lazy-badtoc", lazy, "sha256:" + "0" * 64)
+    assert exc.value.code == "DigestMismatch"
+
+
+def test_daemon_restart_with_registry_down_serves_the_cache(tmp_path: Path) -> None:
+    client = LazyfsClient(tmp_path / "state", cache_limit=64 << 20, read_deadline=1.0)
+    try:
+        with start_registry(tmp_path / "own-registry") as own:
+            lazy, toc = _push(own, tmp_path, "lazy-restart")
+            mnt = _mount(client, own.host, "lazy-restart", lazy, toc)
+            assert (mnt / "etc/hello.txt").read_text() == "hello from a lazy layer\n"
+            old = client.pid()
+        os.kill(old, signal.SIGKILL)  # the registry is gone too
+        wait_for(lambda: not client.running(), what="daemon death")
+        with pytest.raises(OSError) as dead:
+            os.listdir(mnt / "opt")  # what the kernel has not cached needs the dead daemon
+        assert dead.value.errno == errno.ENOTCONN
+        status = client.status()  # starts a new daemon, which restores the mount
+        assert client.pid() != old
+        digest = lazy.image.layers[0].digest  # type: ignore[attr-defined]
+        assert status["layers"][digest]["holders"] == ["pod-a"]
+        assert (mnt / "etc/hello.txt").read_text() == "hello from a lazy layer\n"
+        # Was the prefetch done before the kill? Then everything is local; if not, the
+        # uncached chunks answer EIO (registry down), never wrong bytes.
+        try:
+            data = (mnt / "data/big.bin").read_bytes()
+        except OSError as exc:
+            assert exc.errno == errno.EIO
+        else:
+            assert data == BIG
+    finally:
+        client.shutdown()
+
+
+def test_agent_side_client_exit_leaves_the_daemon_and_mounts(registry: Registry,
+                                                             tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    lazy, toc = _push(registry, tmp_path, "lazy-agent")
+    layer = lazy.image.layers[0]  # type: ignore[attr-defined]
+    script = (
+        "import sys; from pathlib import Path;"
+        "from gpucloud.images.lazy.client import LazyfsClient;"
+        f"c = LazyfsClient(Path({str(state)!r}));"
+        f"print(c.mount(digest={layer.digest!r}, registry={registry.host!r},"
+        f" repository='lazy-agent', size={len(layer.data)}, toc_digest={toc!r},"
+        " holder='pod-a'), flush=True);"
+        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    agent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           check=False)
+    assert agent.returncode == -signal.SIGKILL
+    mnt = Path(agent.stdout.strip())
+    client = LazyfsClient(state)
+    try:
+        assert os.path.ismount(mnt)
+        assert (mnt / "etc/hello.txt").read_text() == "hello from a lazy layer\n"
+    finally:
+        client.shutdown()
+
+
+def test_chunk_cache_evicts_lru_and_survives_a_full_disk(tmp_path: Path) -> None:
+    chunks = [os.urandom(40 << 10) for _ in range(6)]
+    digests = ["sha256:" + hashlib.sha256(c).hexdigest() for c in chunks]
+    cache = ChunkCache(tmp_path / "lru", 100 << 10)
+    for digest, data in zip(digests[:2], chunks[:2], strict=True):
+        assert cache.put(digest, data)
+    assert cache.get(digests[0]) == chunks[0]  # 0 is now more recent than 1
+    assert cache.put(digests[2], chunks[2])
+    assert cache.has(digests[0]) and cache.has(digests[2]) and not cache.has(digests[1])
+    assert cache.used <= 100 << 10 and cache.evictions == 1
+    with pytest.raises(ValueError):
+        cache.put(digests[3], chunks[4])
+    assert not cache.has(digests[3])
+    assert not cache.put("sha256:" + hashlib.sha256(b"x" * (200 << 10)).hexdigest(),
+                         b"x" * (200 << 10))  # larger than the whole cache
+
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(small)], check=True)
+    try:
+        full = ChunkCache(small, 1 << 30)  # the limit is far above what the disk holds
+        stored = [full.put(d, c) for d, c in zip(digests, chunks, strict=True)]
+        assert stored.count(True) >= 1 and full.evictions >= 1
+        for digest, data in zip(digests, chunks, strict=True):
+            got = full.get(digest)
+            assert got is None or got == data  # never a partial or wrong chunk
+        assert list((small / "tmp").iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_status_reports_fetch_stats(registry: Registry, tmp_path: Path,
+                                    lazyfs: LazyfsClient) -> None:
+    lazy, toc = _push(registry, tmp_path, "lazy-stats")
+    _mount(lazyfs, registry.host, "lazy-stats", lazy, toc)
+    status = lazyfs.status()
+    digest = lazy.image.layers[0].digest  # type: ignore[attr-defined]
+    assert status["layers"][digest]["requests"] >= 2  # probe + tail (+ chunks)
+    assert json.dumps(status)
+
+
+# -- a pod on a cold node: the image manager + lazyfs + overlay + runc --------------------
+
+POD_FILES: dict[str, bytes | str | object] = {
+    **busybox_files(),
+    "data/weights.bin": os.urandom(200 << 10),
+    "data/config.json": json.dumps({"layers": 12}),
+    "data/tokenizer.txt": "a b c\n" * 500,
+}
+
+
+def _runc(bundle: Path, rootfs: Path, args: list[str]) -> str:
+    """Run ``args`` in a real runc container on ``rootfs``; its stdout."""
+    subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True)
+    config = json.loads((bundle / "config.json").read_text())
+    config["process"]["terminal"] = False
+    config["process"]["args"] = args
+    config["root"] = {"path": str(rootfs), "readonly": False}
+    (bundle / "config.json").write_text(json.dumps(config))
+    name = f"lazy-{os.getpid()}-{time.monotonic_ns()}"
+    done = subprocess.run(["runc", "run", "--bundle", str(bundle), name], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _pod_sums(out: str) -> dict[str, str]:
+    return {line.split()[1].lstrip("/"): line.split()[0] for line in out.splitlines()}
+
+
+def test_pod_on_a_cold_node_runs_from_an_estargz_image(registry: Registry,
+                                                       tmp_path: Path) -> None:
+    lazy = estargz_image([POD_FILES, {"data/extra.txt": "top layer\n"}], tmp_path)
+    lazy.image.push(registry.host, "lazy-pod:v1")
+    client = LazyfsClient(tmp_path / "node", cache_limit=64 << 20)
+    bundle = tmp_path / "bundle"
+    with ImageManager(tmp_path / "node", lazy=client, rootfs_mode=RootfsMode.OVERLAY) as images:
+        try:
+            image = images.pull(f"{registry.host}/lazy-pod:v1")
+            assert not any(images._blobs.has(d.digest) for d in image.manifest.layers)
+            rootfs = images.prepare_rootfs(image, bundle)
+            record = images.list_images()[0]
+            local, total = images.local_bytes(record)
+            assert total > 200 << 10 and local <= total
+            out = _runc(bundle, rootfs, ["/bin/sh", "-c",
+                                         "sha256sum /data/* /bin/busybox /etc/passwd"])
+            want = expected_hashes({**POD_FILES, "data/extra.txt": "top layer\n"})
+            assert _pod_sums(out) == {k: want[k] for k in _pod_sums(out)}
+            assert set(_pod_sums(out)) >= {"data/weights.bin", "data/extra.txt", "bin/busybox"}
+            assert not (rootfs / "stargz.index.json").exists()
+            mounts = [m for m in client.status()["layers"].values()]
+            assert len(mounts) == 2 and all(m["holders"] == [str(bundle)] for m in mounts)
+            images.release_rootfs(bundle)
+            assert client.status()["layers"] == {}
+        finally:
+            images.release_rootfs(bundle)
+            client.shutdown()
+
+
+def test_rangeless_registry_falls_back_to_the_full_pull(registry: Registry,
+                                                        tmp_path: Path) -> None:
+    files: dict[str, bytes | str | object] = {"data/a.txt": "alpha\n",
+                                              "data/b.bin": os.urandom(100 << 10)}
+    lazy = estargz_image([files], tmp_path)
+    lazy.image.push(registry.host, "lazy-fallback:v1")
+    client = LazyfsClient(tmp_path / "node")
+    with rangeless_proxy(registry.host) as proxy, ImageManager(
+            tmp_path / "node", lazy=client, rootfs_mode=RootfsMode.OVERLAY) as images:
+        try:
+            image = images.pull(f"{proxy}/lazy-fallback:v1")
+            rootfs = images.prepare_rootfs(image, tmp_path / "bundle")
+            assert images._blobs.has(image.manifest.layers[0].digest)  # pulled whole
+            assert tree_hashes(rootfs / "data") == {
+                k.split("/", 1)[1]: v for k, v in expected_hashes(files).items()}
+            assert not (rootfs / "stargz.index.json").exists()
+            assert not (rootfs / ".no.prefetch.landmark").exists()
+            events = images.lazy.take_events() if images.lazy else []
+            assert [r for r, _ in events] == ["LazyPullFallback"]
+            assert "RangeUnsupported" in events[0][1]
+        finally:
+            images.release_rootfs(tmp_path / "bundle")
+            client.shutdown()

@@ -1,0 +1,128 @@
+"""Bad input the fuzzer found (tests/fuzz): each class of bug once, on SQLite and on
+PostgreSQL — a 422 naming the field (or 413), never a 500, nothing written."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gpucloud.api.limits import DEFAULT_BODY_LIMIT, check_json_body
+from gpucloud.core.errors import InvalidInput
+from gpucloud.core.quantities import parse_cpu_milli, parse_duration, parse_memory
+
+POD = {"name": "a1", "image": "busybox:1"}
+
+
+def _refused(response: Any, field: str, status: int = 422) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["field"] == field and body["detail"], body
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"cpu": 1.7976931348623157e+308}, "cpu"),   # OverflowError in round(cpu * 1000)
+    ({"cpu": "9" * 400}, "cpu"),                   # float("999…") is inf
+    ({"memory": "9" * 400 + "Gi"}, "memory"),
+    ({"volume_size": "9" * 400}, "volume_size"),
+    ({"max_duration": {}}, "max_duration"),        # TypeError in the duration regex
+    ({"max_duration": [1]}, "max_duration"),
+])
+def test_numbers_past_any_bound_are_422_naming_the_field(
+        api: TestClient, fields: dict[str, Any], field: str) -> None:
+    _refused(api.post("/v1/pods", json={**POD, **fields}), field)
+    assert api.get("/v1/pods").json() == []
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({**POD, "env": {"A": "x\x00y"}}, "env.A"),   # PostgreSQL's text cannot hold NUL
+    ({**POD, "env": {"A\x00": "x"}}, "env"),
+    ({**POD, "command": ["sh", "-c\x00"]}, "command.1"),
+    ({**POD, "name": "a\x00"}, "name"),
+])
+def test_nul_in_any_string_is_422_on_both_databases(
+        api: TestClient, body: dict[str, Any], field: str) -> None:
+    _refused(api.post("/v1/pods", json=body), field)
+    assert api.get("/v1/pods").json() == []
+
+
+def test_integers_past_bigint_are_422(api: TestClient) -> None:
+    token = api.post("/v1/nodes/join-tokens").json()["token"]
+    response = api.post("/v1/agent/register", json={
+        "join_token": token, "name": "n1", "cpu_cores": 8, "memory_bytes": 2**70})
+    _refused(response, "memory_bytes")
+    assert api.get("/v1/nodes").json() == []
+
+
+def test_non_finite_numbers_are_422(api: TestClient) -> None:
+    body = '{"name": "a1", "image": "busybox:1", "cpu": NaN}'
+    response = api.post("/v1/pods", content=body,
+                        headers={"Content-Type": "application/json"})
+    _refused(response, "cpu")
+
+
+def test_a_body_past_the_limit_is_413_in_the_error_shape(api: TestClient) -> None:
+    body = json.dumps({**POD, "env": {"A": "x" * DEFAULT_BODY_LIMIT}})
+    response = api.post("/v1/pods", content=body,
+                        headers={"Content-Type": "application/json"})
+    _refused(response, "body", 413)
+
+
+def test_agent_routes_take_bodies_past_the_default_limit(
+        api: TestClient, register_node: Callable[..., dict[str, Any]]) -> None:
+    node = register_node("n1", gpus=[])
+    chunk = {"fencing_token": node["fencing_token"], "offset": 0,
+             "data": "x" * (DEFAULT_BODY_LIMIT - 100) + "\u00e9" * 100}
+    response = api.post("/v1/agent/pods/nope/logs", json=chunk,
+                        headers={"Authorization": f"Bearer {node['node_token']}"})
+    assert response.status_code == 404, response.text  # read whole: no such pod here
+
+
+def test_unparsable_json_is_422_naming_the_body(api: TestClient) -> None:
+    for content in (b"\xff\xfe{", b"{not json"):
+        response = api.post("/v1/pods", content=content,
+                            headers={"Content-Type": "application/json"})
+        _refused(response, "body")
+
+
+def test_405_lists_every_method_of_the_path(api: TestClient) -> None:
+    response = api.request("OPTIONS", "/v1/pods/abc")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "DELETE, GET"
+    assert api.request("PUT", "/v1/pods").headers["allow"] == "GET, POST"
+
+
+def test_openapi_describes_errors_and_both_credentials(app_client: TestClient) -> None:
+    schema = app_client.get("/openapi.json").json()
+    assert set(schema["components"]["securitySchemes"]) == {"ApiKey", "NodeToken"}
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    pods = schema["paths"]["/v1/pods"]["post"]
+    assert pods["security"] == [{"ApiKey": []}]
+    for code in ("401", "403", "404", "409", "413", "422", "429"):
+        assert pods["responses"][code]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorOut"}
+    assert schema["paths"]["/v1/agent/lease"]["post"]["security"] == [{"NodeToken": []}]
+    assert "401" in schema["paths"]["/v1/agent/register"]["post"]["responses"]
+    for operation in (op for item in schema["paths"].values() for op in item.values()):
+        assert not any(p["name"].lower() == "authorization"
+                       for p in operation.get("parameters", []))
+
+
+def test_quantity_parsers_refuse_what_would_overflow() -> None:
+    for parse, value in ((parse_cpu_milli, 1e308), (parse_cpu_milli, "9" * 400),
+                         (parse_memory, "1" + "0" * 30), (parse_duration, float("inf")),
+                         (parse_duration, {}), (parse_cpu_milli, [1])):
+        with pytest.raises(InvalidInput):
+            parse("x", value)  # type: ignore[operator]
+
+
+def test_json_body_check_names_the_first_bad_value() -> None:
+    assert check_json_body(b'{"a": [1, {"b": 9223372036854775808}]}') == (
+        "a.1.b", "a.1.b: must be between -2^63 and 2^63-1")
+    assert check_json_body(b'{"a": -9223372036854775808, "b": 1.5, "c": true}') is None
+    assert check_json_body(b'{"a": "x\\u0000"}', nul_allowed=True) is None
+    assert check_json_body(b'{"a": "x\\u0000"}') is not None
+    assert check_json_body(b"not json") is None
