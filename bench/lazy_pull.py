@@ -158,9 +158,17 @@ def push_image(registry: str, work: Workload, reference: str) -> str:
     app["app/start.sh"] = start_script(work)
     app["app/startup.list"] = "".join(f"{name}\n" for name in work.read_files)
     layers = [make_layer(busybox_files()), make_layer(app),
-              make_layer({WEIGHTS: random.Random(7).randbytes(work.weights_bytes)})]
+              make_layer({WEIGHTS: _random_bytes(work.weights_bytes)})]
     build_image(layers, cmd=["sh", "/app/start.sh"]).push(registry, reference)
     return layers[-1].digest
+
+
+def _random_bytes(size: int, seed: int = 7) -> bytes:
+    """``size`` incompressible bytes, made in 64 MiB pieces (``randbytes`` of more than
+    256 MiB overflows: it asks ``getrandbits`` for over 2**31 bits)."""
+    rng = random.Random(seed)
+    piece = 64 * MiB
+    return b"".join(rng.randbytes(min(piece, size - at)) for at in range(0, size, piece))
 
 
 def push_estargz(registry: str, src: str, dst: str, work: Workload) -> None:

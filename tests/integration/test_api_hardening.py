@@ -97,7 +97,8 @@ def test_405_lists_every_method_of_the_path(api: TestClient) -> None:
 
 def test_openapi_describes_errors_and_both_credentials(app_client: TestClient) -> None:
     schema = app_client.get("/openapi.json").json()
-    assert set(schema["components"]["securitySchemes"]) == {"ApiKey", "NodeToken"}
+    assert set(schema["components"]["securitySchemes"]) == {
+        "ApiKey", "NodeToken", "RunPodApiKey", "RunPodApiKeyQuery"}  # the last two: /runpod
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     pods = schema["paths"]["/v1/pods"]["post"]
     assert pods["security"] == [{"ApiKey": []}]

@@ -171,3 +171,28 @@ def test_transparent_is_refused_naming_the_node_capability(
     assert [(p["checkpoint_mode"], p["checkpoint_dir"], p["checkpoint_key"],
              p["restore_checkpoint"]) for p in pods] == [
         ("transparent", None, p["pod_id"], None) for p in pods] and len(pods) == 3
+
+
+def test_a_gpu_pod_is_transparent_only_where_cuda_checkpoint_is(
+    api: TestClient, register_node: Callable[..., dict[str, Any]], schedule: Callable[[], Any],
+) -> None:
+    """Whole GPUs need criu and cuda-checkpoint on the node; such a pod goes only there."""
+    register_node("criu-only", capabilities={"criu": True})
+    transparent = {**POD, "checkpoint": "transparent", "checkpoint_dir": None, "gpus": 1}
+    refused = api.post("/v1/pods", json=transparent)
+    assert refused.status_code == 422 and refused.json()["field"] == "checkpoint"
+    assert "criu-only: cuda-checkpoint is not installed" in refused.json()["detail"]
+    register_node("cuda", capabilities={"criu": True, "cuda_checkpoint": True})
+    for index in range(3):
+        created = api.post("/v1/pods", json={**transparent, "name": f"g{index}"})
+        assert created.status_code == 201, created.text
+    cpu = api.post("/v1/pods", json={**transparent, "name": "cpu", "gpus": 0})
+    assert cpu.status_code == 201, cpu.text
+    schedule()
+    assert {api.get(f"/v1/pods/g{i}").json()["node"] for i in range(3)} == {"cuda"}
+    assert api.get("/v1/pods/cpu").json()["node"] in {"criu-only", "cuda"}
+    share = api.post("/v1/pods", json={**transparent, "name": "half", "gpus": 0.5})
+    assert share.status_code == 422 and "share of a GPU" in share.json()["detail"]
+    mig = api.post("/v1/pods", json={**transparent, "name": "slice", "mig": "1g.10gb",
+                                     "gpu_type": "H100-80GB"})
+    assert mig.status_code == 422 and "MIG" in mig.json()["detail"], mig.text

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import httpx
 
@@ -23,6 +24,7 @@ from gpucloud.agent.backoff import Backoff
 from gpucloud.agent.config import AgentConfig
 from gpucloud.agent.connection import AgentFailure, AgentStopped, Connection, is_transient
 from gpucloud.agent.hardware import NodeDevices, prepare_devices, registration
+from gpucloud.agent.health import node_health
 from gpucloud.agent.identity import IdentityFile
 from gpucloud.agent.metrics import AgentMetrics, JobMapping, ObservedSampler
 from gpucloud.agent.migration import VolumeExports, VolumeReceiver
@@ -32,8 +34,13 @@ from gpucloud.agent.podworker import NodeRuntime, PodWorker, container_id
 from gpucloud.agent.usage import Target, UsageReporter
 from gpucloud.agent.usage_spool import UsageSpool
 from gpucloud.agent.volumes import VolumeStore, default_volume_mode
+from gpucloud.core.capabilities import NodeCapabilities
 from gpucloud.core.errors import GpucloudError, Unauthorized
 from gpucloud.core.models import AssignmentOut, NodeRegisterResponse
+from gpucloud.gpu.dmem import dmem_regions, dmem_unified
+from gpucloud.gpu.mig import mig_manager, with_mig_layout
+from gpucloud.gpu.mps import GpuSharing, SharingMode, node_sharing
+from gpucloud.gpu.nvml import DEFAULT_NVML
 from gpucloud.gpu.usage import gpu_usage
 from gpucloud.images import Credentials, ImageManager
 from gpucloud.images.lazy.mounter import node_lazyfs
@@ -74,6 +81,10 @@ class Agent:
                                                     config.state_dir)
         body = registration(self.devices.hardware, join_token=config.join_token,
                             name=config.name, labels=config.labels, address=config.address)
+        self.mig = mig_manager(self.devices.hardware, config.state_dir, DEFAULT_NVML)
+        self._mig_reconciled = self.mig is None
+        if self.mig is not None:
+            with_mig_layout(body, self.mig)
         volume_mode = config.volume_mode or default_volume_mode(config.server)
         body.volume_mode = volume_mode
         body.network_mode = config.network_mode
@@ -81,6 +92,8 @@ class Agent:
         body.capabilities = criu.probe(config.state_dir, runc=config.runc)
         if not body.capabilities.criu:
             log.info("transparent checkpoints unavailable: %s", body.capabilities.criu_reason)
+        self.sharing = self._gpu_sharing(body.capabilities)
+        self.health = node_health(config, self.devices.hardware)
         self.conn = Connection(config.server, body, IdentityFile(config.state_dir),
                                self.stop_event, transport, on_registered=self._registered)
         self.driver = RuncDriver(config.state_dir, runc=config.runc)
@@ -107,6 +120,8 @@ class Agent:
             network=self.network,
             migrator=VolumeReceiver(self.conn, self.access.host_key, config.state_dir),
             metrics=AgentMetrics(config.name),
+            sharing=self.sharing,
+            mig=self.mig,
         )
         self.workers: dict[str, PodWorker] = {}
         self.finished: dict[str, float] = {}
@@ -123,6 +138,17 @@ class Agent:
             self._container_ids)
         self.revision: int | None = None
         self.error: GpucloudError | None = None
+
+    def _gpu_sharing(self, capabilities: NodeCapabilities) -> GpuSharing:
+        """The node's sharing policy and dmem regions, reported as capabilities."""
+        hardware = self.devices.hardware
+        regions = dmem_regions() if hardware.provider == "nvml" else {}
+        sharing = node_sharing(cast(SharingMode, self.config.gpu_sharing), self.config.state_dir,
+                               hardware.provider, DEFAULT_NVML, regions)
+        capabilities.gpu_sharing = self.config.gpu_sharing
+        capabilities.dmem_gpus = [gpu.uuid for gpu in hardware.gpus
+                                  if dmem_unified(regions, gpu, 1)]
+        return sharing
 
     @property
     def hardware_note(self) -> str | None:
@@ -252,7 +278,7 @@ class Agent:
         delay = self.conn.lease_ttl_seconds / 3
         while not self.stop_event.wait(delay):
             try:
-                self.conn.renew()
+                self.conn.renew(self.health.report() if self.health is not None else None)
                 backoff.reset()
                 delay = self.conn.lease_ttl_seconds / 3
             except GpucloudError as error:
@@ -293,6 +319,13 @@ class Agent:
         """Bring workers and containers in line with what the server assigns."""
         self._collect()
         containers = [p.name for p in self.driver.containers_dir.iterdir() if p.is_dir()]
+        if not self._mig_reconciled and self.mig is not None:
+            # Once, before any worker starts: adopt the instances of containers still
+            # here, destroy the ones made for containers that are gone (orphans).
+            gone = self.mig.reconcile(set(containers))
+            if gone:
+                log.info("destroyed orphaned MIG instances: %s", ", ".join(gone))
+            self._mig_reconciled = True
         steps = plan(assigned, self.workers.keys(), containers, self.finished.keys())
         for assignment in steps.update:
             self.workers[container_id(assignment.pod_id, assignment.attempt)].update(assignment)

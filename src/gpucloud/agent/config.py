@@ -80,9 +80,22 @@ class AgentConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     hpc_job_mapping_dir: Path | None = None
+    #: How pods with a share of a GPU share it: ``mps`` (a daemon per GPU with the pods'
+    #: limits) or ``time-slicing`` (no limits) (gpu/mps).
+    gpu_sharing: str = "mps"
+    #: GPU health checks (gpu/health): seconds between checks (0: none), the faults a
+    #: simulated node injects (``GPU3:xid79``) and the file a test writes more into,
+    #: whether a node cordoned by its checks is uncordoned when they pass again.
+    health_interval_seconds: float = 30.0
+    inject_faults: tuple[str, ...] = ()
+    fault_file: Path | None = None
+    auto_uncordon: bool = True
 
     def __post_init__(self) -> None:
         check_dns_label("name", self.name)
+        if self.gpu_sharing not in ("mps", "time-slicing"):
+            raise InvalidInput("gpu_sharing",
+                               f"{self.gpu_sharing!r} is not mps or time-slicing")
         if not 0 <= self.access_port <= 65535:
             raise InvalidInput("access_port", f"{self.access_port} is not a port (0-65535)")
         if self.network_mode not in ("bridge", "host"):

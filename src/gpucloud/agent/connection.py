@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -159,10 +159,11 @@ class Connection:
 
     # -- the lease -----------------------------------------------------------------------
 
-    def renew(self) -> None:
-        """Renew the current grant; take a new one when ours is stale; re-register on 401."""
+    def renew(self, health: dict[str, Any] | None = None) -> None:
+        """Renew the current grant; take a new one when ours is stale; re-register on 401.
+        ``health`` rides along (gpu/health: the GPUs' health, a node-level fault)."""
         try:
-            self._set_token(self.client.lease(self.fencing_token))
+            self._set_token(self.client.lease(self.fencing_token, health))
         except StaleFencingToken:
             self.reacquire()
         except Unauthorized:

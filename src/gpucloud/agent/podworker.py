@@ -36,12 +36,14 @@ from gpucloud.client.sdk import AgentClient
 from gpucloud.core.capabilities import CHECKPOINT_TRANSPARENT
 from gpucloud.core.errors import GpucloudError
 from gpucloud.core.jobs import AgentPodReadyRequest
-from gpucloud.core.models import AgentPodStatusRequest, AssignmentOut
+from gpucloud.core.models import AgentPodStatusRequest, AssignmentOut, MigDevice
 from gpucloud.core.phases import PodPhase
 from gpucloud.core.quantities import format_memory
 from gpucloud.core.spot import NOTICE_PATH, StopReason
-from gpucloud.gpu.cdi import CdiError
+from gpucloud.gpu.cdi import CdiError, ContainerEdits
 from gpucloud.gpu.domain import GpuDevice
+from gpucloud.gpu.mig import MigInstance, MigManager
+from gpucloud.gpu.mps import GpuSharing
 from gpucloud.images import ImageError, ImageManager
 from gpucloud.images.auth import Credentials
 from gpucloud.images.manifest import ImageConfig as StoredImageConfig
@@ -88,6 +90,10 @@ class NodeRuntime:
     migrator: VolumeReceiver | None = None
     #: Pull and start durations, usage gauges (agent/metrics).
     metrics: AgentMetrics = field(default_factory=lambda: AgentMetrics(""))
+    #: MPS daemons or time-slicing of shared GPUs (gpu/mps; None: shares not enforced).
+    sharing: GpuSharing | None = None
+    #: MIG instances made where the scheduler placed MIG pods (gpu/mig; None: no MIG).
+    mig: MigManager | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,8 @@ class PodWorker:
         self._wake = threading.Event()
         self._abandoned = assignment is None
         self._net: PodNet | None = None
+        #: The MIG device this attempt runs on (reported with Running).
+        self._mig: MigInstance | None = None
         self._stop_wanted = assignment is not None and assignment.desired_state == "stopped"
         self.reported: PodPhase | None = assignment.phase if assignment else None
         #: A phase report still in flight on its own thread (``_advance(background=True)``)
@@ -265,9 +273,38 @@ class PodWorker:
         self._watch(status)
 
     def _adopt_network(self, status: ContainerStatus) -> None:
-        """An adopted live container keeps its namespace; its public ports open again."""
+        """An adopted live container keeps its namespace; its public ports open again
+        (and, on a shared GPU, it is a client of that GPU's MPS daemon again)."""
         if self.node.network is not None and status.state in _LIVE:
             self._net = self.node.network.adopt(self.cid)
+        assignment = self.assignment
+        if self.node.sharing is not None and assignment.gpu_milli and status.state in _LIVE:
+            for gpu in self.node.devices.gpus(assignment.gpu_uuids):
+                self.node.sharing.adopt(self.cid, gpu)
+
+    def _share(self, spec: ContainerSpec, assignment: AssignmentOut,
+               gpus: tuple[GpuDevice, ...]) -> ContainerSpec:
+        """A share of one GPU: its MPS daemon set up with the pod's limits (gpu/mps), the
+        daemon's directories mounted and the variables saying what the pod got."""
+        if self.node.sharing is None or not assignment.gpu_milli or len(gpus) != 1:
+            return spec
+        grant = self.node.sharing.admit(self.cid, gpus[0], assignment.gpu_milli,
+                                        assignment.gpu_memory_bytes)
+        binds = tuple(BindMount(source, target) for source, target in grant.binds)
+        return replace(spec, env={**spec.env, **grant.env}, binds=(*spec.binds, *binds),
+                       unified=dict(grant.unified))
+
+    def _mig_edits(self, assignment: AssignmentOut,
+                   gpus: tuple[GpuDevice, ...]) -> list[ContainerEdits]:
+        """A MIG pod gets its MIG device only (made at the scheduler's slot), others their
+        GPUs' CDI devices."""
+        if assignment.mig_profile is None or assignment.mig_slot is None:
+            return self.node.devices.edits(gpus)
+        if self.node.mig is None or len(gpus) != 1:
+            raise CdiError(f"this node cannot run MIG pods ({assignment.mig_profile})")
+        self._mig = self.node.mig.acquire(self.cid, gpus[0].uuid, assignment.mig_profile,
+                                          assignment.mig_slot, assignment.mig_policy)
+        return self.node.mig.edits(self._mig)
 
     def _existing(self) -> ContainerStatus | None:
         """The container a previous agent left, if it got as far as being started."""
@@ -324,7 +361,8 @@ class PodWorker:
             return None
         driver = self.node.driver
         with self.node.rootfs_lock:  # see NodeRuntime: one preparation at a time
-            rootfs = self.node.images.prepare_rootfs(image, driver.paths(self.cid).root)
+            rootfs = self.node.images.prepare_rootfs(image, driver.paths(self.cid).root,
+                                                     pull_credentials(assignment))
         gpus = self.node.devices.gpus(assignment.gpu_uuids)
         if self.node.migrator is not None:
             self.node.migrator.receive(assignment)  # before its volume disk is bound
@@ -334,7 +372,10 @@ class PodWorker:
         kept, kept_env = checkpoints.binds_and_env(self.node.state_dir, assignment)
         spec = container_spec(assignment, gpus, self.node.node_name, binds + kept, self._net)
         spec = replace(spec, env={**spec.env, **kept_env})
-        edits = self.node.devices.edits(gpus)
+        spec = self._share(spec, assignment, gpus)
+        edits = self._mig_edits(assignment, gpus)
+        if self._mig is not None:  # CUDA and the NVIDIA stack see the MIG device itself
+            spec = replace(spec, gpus=(gpus[0].model_copy(update={"uuid": self._mig.uuid}),))
         driver.build(spec, rootfs, runtime_image_config(image.config), edits)
         checkpoints.install_tool(driver.paths(self.cid).run_dir)
         if _transparent(assignment):  # dumpable (stdio on pipes), restored from its dump
@@ -428,6 +469,7 @@ class PodWorker:
             if not signalled and status.state is ContainerState.RUNNING:
                 self._checkpoint_request()
             shipper.ship()
+            self._lazy_events()
             self._wake.wait(self.node.watch_interval)
             self._wake.clear()
             status = self.node.driver.status(self.cid)
@@ -493,7 +535,8 @@ class PodWorker:
             return False
         started = time.time()
         try:
-            self.node.driver.dump(self.cid, pod.directory, leave_running=leave_running)
+            self.node.driver.dump(self.cid, pod.directory, leave_running=leave_running,
+                                  gpus=bool(self.assignment.gpu_uuids))
         except (RuntimeFailure, OSError) as error:
             log.warning("pod %s: transparent checkpoint failed: %s", self.cid, error)
             return False
@@ -612,6 +655,8 @@ class PodWorker:
                 reason=reason_line(outcome.reason) if outcome.reason else None,
                 message=outcome.message[:MAX_MESSAGE] if outcome.message else None,
                 log_tail=log_tail, attempt=assignment.attempt,
+                mig_device=(_mig_device(self._mig) if self._mig is not None
+                            and outcome.phase is PodPhase.RUNNING else None),
                 network=(self._net.report() if self._net is not None
                          and outcome.phase is PodPhase.RUNNING else None),
             )
@@ -620,6 +665,14 @@ class PodWorker:
         what = f"{outcome.phase} of pod {assignment.name}"
         if self.node.conn.write(what, send) is not None:
             self.reported = outcome.phase
+
+    def _lazy_events(self) -> None:
+        """The lazy pull's events of this pod (a fallback to a full pull, a chunk digest
+        mismatch, a failed prefetch) as same-phase reports: each becomes a pod event."""
+        if self.reported is not PodPhase.RUNNING:
+            return
+        for reason, message in self.node.images.lazy_events(self.node.driver.paths(self.cid).root):
+            self._report(Outcome(PodPhase.RUNNING, None, reason, message))
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -638,9 +691,18 @@ class PodWorker:
         """Unmount and delete the pod's root filesystem and the container's directory."""
         bundle = self.node.driver.paths(self.cid).root
         try:
+            if self.node.sharing is not None:
+                self.node.sharing.release(self.cid)
+            if self.node.mig is not None:
+                self.node.mig.release(self.cid)
             if self.node.network is not None:
                 self.node.network.detach(self.cid)
             self.node.images.release_rootfs(bundle)
             self.node.driver.remove(self.cid)
         except (GpucloudError, OSError) as error:
             log.warning("cleaning up container %s: %s", self.cid, error)
+
+
+def _mig_device(instance: MigInstance) -> MigDevice:
+    return MigDevice(gpu_uuid=instance.gpu_uuid, mig_uuid=instance.uuid,
+                     profile=instance.profile, slot=instance.slot)

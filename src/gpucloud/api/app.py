@@ -25,6 +25,9 @@ from gpucloud.api.routers import registry_auths as registry_auth_routes
 from gpucloud.api.routers import ssh_keys as ssh_key_routes
 from gpucloud.api.routers import templates as template_routes
 from gpucloud.api.routers import volumes as volume_routes
+from gpucloud.compat.runpod import graphql as runpod_graphql
+from gpucloud.compat.runpod import rest_v1 as runpod_rest_v1
+from gpucloud.compat.runpod import rest_v2 as runpod_rest_v2
 from gpucloud.controllers.loops import ControllerRunner
 from gpucloud.core import redact
 from gpucloud.core.clock import Clock, SystemClock
@@ -32,7 +35,8 @@ from gpucloud.core.settings import Settings
 from gpucloud.db.migrate import upgrade
 from gpucloud.db.session import Database
 from gpucloud.services import priorities
-from gpucloud.services.context import ServiceContext
+from gpucloud.services.context import ServiceContext, TtlCache
+from gpucloud.services.notify import NotifyBridge
 from gpucloud.services.projects import bootstrap_admin
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,8 @@ def prepare(settings: Settings, clock: Clock | None = None) -> tuple[ServiceCont
     settings.home.mkdir(parents=True, exist_ok=True)
     db = Database(settings.database_url)
     upgrade(db.engine)
-    ctx = ServiceContext(db=db, clock=clock or SystemClock(), settings=settings)
+    ctx = ServiceContext(db=db, clock=clock or SystemClock(), settings=settings,
+                         cache=TtlCache(settings.auth_cache_ttl_seconds))
     priorities.ensure_defaults(ctx)
     return ctx, bootstrap_admin(ctx)
 
@@ -70,6 +75,9 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
         # GIL; a shorter switch interval keeps a busy thread (a scheduling pass) from
         # holding every request up to 5 ms per hop.
         sys.setswitchinterval(GIL_SWITCH_SECONDS)
+        bridge = None if ctx.db.is_sqlite else NotifyBridge(settings.database_url, ctx.cache)
+        if bridge:
+            bridge.start()  # wake-ups and cache clears across replicas (a hint)
         runner = ControllerRunner(ctx) if run_controllers else None
         app.state.controllers = runner
         if runner:
@@ -79,6 +87,8 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
         finally:
             if runner:
                 runner.stop()
+            if bridge:
+                bridge.stop()
             await gateway.stop(ssh_gateway)
             ctx.db.dispose()
 
@@ -103,4 +113,7 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
     app.include_router(checkpoint_routes.agent_router)
     app.include_router(billing_routes.router)
     app.include_router(metrics_routes.router)
+    app.include_router(runpod_graphql.router)  # RunPod's POST /graphql (docs/runpod.md)
+    app.include_router(runpod_rest_v2.router)  # RunPod's REST under /runpod/v2, /runpod/v1
+    app.include_router(runpod_rest_v1.router)
     return app

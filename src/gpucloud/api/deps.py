@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Annotated
 
@@ -58,14 +59,40 @@ async def get_principal(
                                    partial(projects.authenticate, ctx, key))
 
 
-async def get_node_id(
+@dataclass(frozen=True)
+class NodeCredential:
+    """A node token not yet checked, and its failure buckets (already not blocked)."""
+
+    token: str | None
+    limit_keys: list[str]
+
+    def authenticate(self, ctx: ServiceContext) -> str:
+        """The node's id (blocking: a query on a cache miss); a failure counts."""
+        return auth_guard.authenticated(ctx, self.limit_keys,
+                                        partial(nodes.authenticate_node, ctx, self.token))
+
+
+async def get_node_credential(
     request: Request,
     ctx: Annotated[ServiceContext, Depends(get_ctx)],
     credentials: Annotated[Credentials, Depends(NODE_TOKEN)],
-) -> str:
+) -> NodeCredential:
+    """For a route that authenticates the token itself, as part of its own statement
+    (the lease renewal's hot path)."""
     token = _bearer(credentials)
-    return await run_in_threadpool(auth_guard.authenticated, ctx, _limit_keys(request, token),
-                                   partial(nodes.authenticate_node, ctx, token))
+    keys = _limit_keys(request, token)
+    auth_guard.check(ctx, keys)
+    return NodeCredential(token, keys)
+
+
+async def get_node_id(
+    ctx: Annotated[ServiceContext, Depends(get_ctx)],
+    credential: Annotated[NodeCredential, Depends(get_node_credential)],
+) -> str:
+    cached = nodes.cached_node(ctx, credential.token)
+    if cached is not None:
+        return cached
+    return await run_in_threadpool(credential.authenticate, ctx)
 
 
 async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
@@ -77,3 +104,4 @@ Ctx = Annotated[ServiceContext, Depends(get_ctx)]
 Caller = Annotated[Principal, Depends(get_principal)]
 Admin = Annotated[Principal, Depends(get_admin)]
 NodeId = Annotated[str, Depends(get_node_id)]
+NodeToken = Annotated[NodeCredential, Depends(get_node_credential)]

@@ -13,6 +13,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpucloud.core.errors import (
@@ -93,8 +95,32 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
     return response
 
 
+#: Seconds a client is told to wait when the database cannot be reached.
+DATABASE_RETRY_AFTER_SECONDS = 2
+
+
+def database_unavailable(error: SQLAlchemyError) -> bool:
+    """Whether a database error means "cannot reach the database now" (refused, cut, shut
+    down, or every pooled connection busy), not a bug in the statement: the DB-API's own
+    OperationalError and InterfaceError are exactly those."""
+    if isinstance(error, (OperationalError, InterfaceError, PoolTimeout)):
+        return True
+    return isinstance(error, DBAPIError) and error.connection_invalidated
+
+
+async def _database_error(_: Request, error: SQLAlchemyError) -> JSONResponse:
+    """The database is down or restarting: 503 with Retry-After, never a 500 trace; the
+    pool has dropped the dead connections, so the next request reconnects by itself."""
+    if not database_unavailable(error):
+        raise error
+    response = _error_response(503, "the database is unavailable; retry shortly", None)
+    response.headers["Retry-After"] = str(DATABASE_RETRY_AFTER_SECONDS)
+    return response
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(SQLAlchemyError, _database_error)  # type: ignore[arg-type]
 
     @app.exception_handler(GpucloudError)
     async def _gpucloud_error(_: Request, error: GpucloudError) -> JSONResponse:

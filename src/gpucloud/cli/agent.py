@@ -99,6 +99,17 @@ def agent(
     metrics_host: Annotated[str, typer.Option(help="Address of --metrics-port")] = "127.0.0.1",
     hpc_job_mapping_dir: Annotated[Path | None, typer.Option(
         help="Write dcgm-exporter --hpc-job-mapping-dir files (GPU -> pods) here")] = None,
+    gpu_sharing: Annotated[str, typer.Option(
+        help="Pods with a share of a GPU: mps (an MPS daemon per GPU with their limits) or "
+             "time-slicing (no limits)")] = "mps",
+    health_interval: Annotated[float, typer.Option(
+        help="Seconds between GPU health checks (0: none)", min=0)] = 30.0,
+    inject_fault: Annotated[list[str] | None, typer.Option(
+        help="Simulated nodes: a GPU fault to inject, GPU<N>:xid<CODE> (repeatable)")] = None,
+    fault_file: Annotated[Path | None, typer.Option(
+        help="Simulated nodes: a file of GPU<N>:xid<CODE> lines, read at each check")] = None,
+    auto_uncordon: Annotated[bool, typer.Option(
+        help="Uncordon a node its health checks cordoned once they pass again")] = True,
 ) -> None:
     """Run the node agent: register this host, hold its lease, run its pods."""
     with cli_errors():
@@ -116,6 +127,9 @@ def agent(
             access_host=access_host, access_port=access_port,
             usage_interval_seconds=usage_interval, metrics_port=metrics_port,
             metrics_host=metrics_host, hpc_job_mapping_dir=hpc_job_mapping_dir,
+            gpu_sharing=gpu_sharing, health_interval_seconds=health_interval,
+            inject_faults=tuple(inject_fault or ()), fault_file=fault_file,
+            auto_uncordon=auto_uncordon,
         )
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)

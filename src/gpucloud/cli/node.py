@@ -32,11 +32,15 @@ def _show(node: NodeOut) -> None:
         ("lease until", node.lease_expires_at.isoformat(timespec="seconds")
          if node.lease_expires_at else None),
         ("drain", _drain_summary(node)),
+        ("mig policy", node.mig_policy),
+        ("mig-capable gpus", sum(1 for gpu in node.gpus if gpu.mig_capable)),
     ])
     for gpu in node.gpus:
         peers = ",".join(map(str, gpu.nvlink_peers)) or "-"
         typer.echo(f"  gpu {gpu.index}: {gpu.model} {gpu.memory_mib} MiB numa {gpu.numa_node} "
                    f"nvlink [{peers}] {gpu.uuid}")
+        for mig in gpu.mig_instances:
+            typer.echo(f"    mig {mig.profile} slot {mig.slot}: {mig.mig_uuid}")
 
 
 def _volume_mode(mode: str | None) -> str:
@@ -127,6 +131,18 @@ def uncordon(node: str, output: OutputOption = OutputFormat.TABLE) -> None:
     with cli_errors():
         found = client().cordon(node, False)
         emit(found, output, lambda: typer.echo(f"node {found.name} uncordoned"))
+
+
+@app.command()
+def mig(node: str,
+        mode: Annotated[str, typer.Option(help="dynamic (make MIG instances as pods are "
+                                          "placed), fixed (use the node's own layout) or "
+                                          "off (no MIG pods)")],
+        output: OutputOption = OutputFormat.TABLE) -> None:
+    """Set a node's MIG policy (switching a GPU's MIG mode stays a drain-time admin step)."""
+    with cli_errors():
+        found = client().set_mig_policy(node, mode)
+        emit(found, output, lambda: typer.echo(f"node {found.name} mig policy {found.mig_policy}"))
 
 
 def _drain_summary(node: NodeOut) -> str | None:

@@ -37,6 +37,17 @@ def _port_map(pod: PodOut) -> str | None:
     return ", ".join(shown) or None
 
 
+def _mig_summary(pod: PodOut) -> str | None:
+    """``3g.40gb at slot 4 of GPU-… : MIG-…`` (the slot alone until the node reports)."""
+    if pod.mig is None:
+        return None
+    device = pod.mig_device
+    if device is None:
+        slot = f" at slot {pod.mig_slot}" if pod.mig_slot is not None else ""
+        return f"{pod.mig}{slot} (no MIG device yet)"
+    return f"{device.profile} at slot {device.slot} of {device.gpu_uuid}: {device.mig_uuid}"
+
+
 def _show_pod(pod: PodOut) -> None:
     fields([
         ("id", pod.id), ("name", pod.name), ("project", pod.project), ("phase", pod.phase),
@@ -45,7 +56,8 @@ def _show_pod(pod: PodOut) -> None:
         ("entrypoint", None if pod.entrypoint is None else shlex.join(pod.entrypoint) or '""'),
         ("command", " ".join(pod.command)), ("registry auth", pod.registry_auth),
         ("gpus", f"{pod.gpus:g}" + (f" x {pod.gpu_type}" if pod.gpu_type else "")),
-        ("gpu uuids", ", ".join(pod.gpu_uuids)), ("cpu", f"{pod.cpu:g}"),
+        ("gpu uuids", ", ".join(pod.gpu_uuids)), ("mig", _mig_summary(pod)),
+        ("cpu", f"{pod.cpu:g}"),
         ("memory", pod.memory), ("env", ", ".join(f"{k}={v}" for k, v in pod.env.items())),
         ("ports", ", ".join(pod.ports)), ("ip", pod.ip),
         ("port map", _port_map(pod)), ("restart", pod.restart.value),

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from gpucloud.cli import sim_data
 from gpucloud.core.errors import GpucloudError
 from gpucloud.core.quantities import parse_duration
 from gpucloud.scheduler.framework.cluster import Allocation, ClusterState
@@ -36,6 +37,7 @@ from gpucloud.sim.report import Summary, seeds, summarize
 app = typer.Typer(help="Trace-driven scheduler simulations.", no_args_is_help=True)
 console = Console()
 errors = Console(stderr=True, soft_wrap=True)
+app.add_typer(sim_data.app, name="data")
 
 
 def fail(message: str) -> typer.Exit:
@@ -228,7 +230,10 @@ def _jobs_table(results: list[JobsResult], title: str) -> Table:
 @app.command()
 def workloads() -> None:
     """List the workloads found in the shared data folder."""
-    names = workload_names()
+    try:
+        names = workload_names()
+    except GpucloudError as exc:
+        raise fail(exc.message) from exc
     if not names:
         raise fail("no workloads found (set GPUCLOUD_SHARED_DATA to the shared data folder)")
     for name in names:

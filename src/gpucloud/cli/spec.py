@@ -75,6 +75,9 @@ CHECKPOINT_SIGNAL = SpecOption("checkpoint_signal", _option(
 CHECKPOINT = SpecOption("checkpoint", _option(
     str | None, "directory (the program writes its checkpoint dir) or transparent "
     "(runc/CRIU dumps the container, where a node can)"), "checkpoint")
+MIG = SpecOption("mig", _option(
+    str | None, "One MIG instance of this profile of the GPU model: 1g.10gb, 3g.40gb, "
+    "7g.80gb …"), "mig")
 GPUS = SpecOption("gpus", _option(float | None, "Whole GPUs, or a share below 1 (0.5)"),
                   "gpus")
 PORT = SpecOption("port", _option(list[str] | None, "PORT, PORT/http or PORT/tcp; repeatable"),
@@ -94,7 +97,7 @@ MAX_DURATION = SpecOption("max_duration", _option(
 #: What every container spec has (pods, job members, templates).
 SPEC = (COMMAND, IMAGE, GPU_TYPE, CPU, MEMORY, ENV, ENTRYPOINT, VOLUME_SIZE, VOLUME_PATH,
         CONTAINER_DISK, NETWORK_VOLUME, REGISTRY_AUTH, CHECKPOINT_DIR, CHECKPOINT_SIGNAL,
-        CHECKPOINT, SPOT, BID, GRACE)
+        CHECKPOINT, SPOT, BID, GRACE, MIG)
 #: A pod's (and a template's) GPUs and ports; a job has ``--gpus-per-node`` instead.
 GPUS_PORTS = (GPUS, PORT)
 #: How the scheduler treats running work (pods and jobs).

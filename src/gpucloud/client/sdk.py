@@ -211,6 +211,10 @@ class GpucloudClient(_Base):
         action = "cordon" if cordoned else "uncordon"
         return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/{action}")
 
+    def set_mig_policy(self, ref: str, mode: str) -> NodeOut:
+        """``gpucloud node mig NODE --mode dynamic|fixed|off``."""
+        return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/mig", json={"mode": mode})
+
     def drain(self, ref: str, deadline: str | float | None = None) -> NodeOut:
         """Drain a node (``deadline``: ``60s``, ``10m``; None: the server's default)."""
         body = {} if deadline is None else {"deadline": deadline}
@@ -412,9 +416,11 @@ class AgentClient(_Base):
         return self._typed(NodeRegisterResponse, "POST", "/v1/agent/register",
                            json=_body(request))
 
-    def lease(self, fencing_token: int | None) -> LeaseResponse:
+    def lease(self, fencing_token: int | None,
+              health: dict[str, Any] | None = None) -> LeaseResponse:
+        """Renew the lease; ``health``: the GPUs' health and any node-level fault."""
         return self._typed(LeaseResponse, "POST", "/v1/agent/lease",
-                           json={"fencing_token": fencing_token})
+                           json={"fencing_token": fencing_token, **(health or {})})
 
     def assignments(self, revision: int | None = None, wait: float = 0) -> AssignmentsOut:
         params: dict[str, Any] = {"wait": wait}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from sqlalchemy.exc import OperationalError
@@ -22,13 +22,20 @@ from gpucloud.services import (
     preemption,
     scheduling,
     spend,
+    usage_retention,
 )
 from gpucloud.services.context import ServiceContext
 
 log = logging.getLogger(__name__)
 LEADER_TTL_SECONDS = 15.0
-LEADER_RENEW_BEFORE = timedelta(seconds=LEADER_TTL_SECONDS / 2)
 MIN_GAP_SECONDS = 0.1
+#: The disruption brake (NodeLeaseController): Kubernetes' unhealthyZoneThreshold.
+DISRUPTION_FRACTION = 0.55
+#: Below this many Ready nodes the brake is off: many of a few nodes failing together is
+#: as likely real, and rescheduling them is cheap.
+DISRUPTION_MIN_NODES = 10
+#: While braked, at most one node is marked Lost per this long.
+SLOW_EVICTION_SECONDS = 30.0
 
 
 class SchedulingController:
@@ -101,6 +108,26 @@ class CreditController:
         return stopped
 
 
+class UsageRetentionController:
+    """Deletes raw usage samples past their retention (``services.usage_retention``), in
+    batches, at most every ``period_seconds``; runs only on the leader, fenced like every
+    controller write. The meter's rows are kept."""
+
+    name = "usage-retention"
+
+    def __init__(self, ctx: ServiceContext, period_seconds: float = 60.0) -> None:
+        self.ctx = ctx
+        self.period = timedelta(seconds=period_seconds)
+        self._next: datetime | None = None
+
+    def tick(self) -> int:
+        now = self.ctx.clock.now()
+        if self._next is not None and now < self._next:
+            return 0
+        self._next = now + self.period
+        return usage_retention.prune(self.ctx)
+
+
 class DrainController:
     """Drains nodes (``services.drain``): notices, requeues, deadlines, ``Drained``."""
 
@@ -114,11 +141,17 @@ class DrainController:
 
 
 class NodeLeaseController:
-    """Marks nodes whose lease lapsed Lost.
+    """Marks nodes whose lease lapsed Lost, with the two brakes the anchors learned to need.
 
-    For ``startup_grace_seconds`` after its first tick (by default one lease TTL) it marks
-    nothing: after a server outage longer than the TTL every lease looks lapsed, and the
-    agents need one renewal period to come back before their nodes are declared lost.
+    - A fresh TTL first (Nomad): for ``startup_grace_seconds`` (by default one node lease
+      TTL) after its first tick, and again after each leader change (``on_new_epoch``), it
+      marks nothing: after a server outage or a failover every lease may look lapsed, and
+      the agents need one renewal period to come back. That is every lease getting a fresh
+      TTL from the change, without a write per node.
+    - Slowed evictions (Kubernetes): when more than ``DISRUPTION_FRACTION`` of at least
+      ``DISRUPTION_MIN_NODES`` Ready nodes look lost at once, the likelier cause is the
+      server side (a stall, a network event), not that many machines: it marks at most one
+      node per ``SLOW_EVICTION_SECONDS`` instead of rescheduling the fleet.
     """
 
     name = "node-leases"
@@ -128,7 +161,15 @@ class NodeLeaseController:
         self.startup_grace = timedelta(seconds=ctx.settings.lease_ttl_seconds
                                        if startup_grace_seconds is None
                                        else startup_grace_seconds)
+        self.slow_eviction = timedelta(seconds=SLOW_EVICTION_SECONDS)
         self._active_since: datetime | None = None
+        self._next_slow_eviction: datetime | None = None
+
+    def on_new_epoch(self) -> None:
+        """This replica just became the leader: every lease gets a fresh TTL from now."""
+        self._active_since = self.ctx.clock.now()
+        self.startup_grace = max(self.startup_grace,
+                                 timedelta(seconds=self.ctx.settings.lease_ttl_seconds))
 
     def tick(self) -> list[str]:
         now = self.ctx.clock.now()
@@ -136,32 +177,59 @@ class NodeLeaseController:
             self._active_since = now
         if now < self._active_since + self.startup_grace:
             return []
-        lost = nodes.expire_leases(self.ctx)
+        lost = nodes.expire_leases(self.ctx, self._eviction_limit(now))
         metrics.LEASES_EXPIRED.inc(len(lost))
         for name in lost:
             log.warning("node %s lost: its lease expired", name)
         return lost
 
+    def _eviction_limit(self, now: datetime) -> int | None:
+        """None (no limit) in normal times; 0 or 1 while the disruption brake holds."""
+        lapsed, ready = nodes.lease_health(self.ctx)
+        engaged = self._next_slow_eviction is not None  # stays on as Ready nodes drop
+        if lapsed <= DISRUPTION_FRACTION * ready or (
+                not engaged and ready < DISRUPTION_MIN_NODES):
+            self._next_slow_eviction = None
+            return None
+        if self._next_slow_eviction is None:
+            log.warning("%d of %d nodes look lost at once: evictions slowed to one per %s",
+                        lapsed, ready, self.slow_eviction)
+            self._next_slow_eviction = now + self.slow_eviction
+            return 0
+        if now < self._next_slow_eviction:
+            return 0
+        self._next_slow_eviction = now + self.slow_eviction
+        return 1
+
 
 class ControllerRunner:
-    """Runs the controllers on one thread while this replica holds their leases."""
+    """Runs the controllers on one thread while this replica leads (services/leadership).
 
-    def __init__(self, ctx: ServiceContext, interval_seconds: float | None = None) -> None:
-        self.ctx = ctx
-        self.holder = uuid.uuid4().hex
+    The controllers get a context whose every write transaction is fenced by the lease's
+    epoch, so a deposed leader's late writes roll back instead of landing.
+    """
+
+    def __init__(self, ctx: ServiceContext, interval_seconds: float | None = None,
+                 leader_ttl_seconds: float | None = None) -> None:
         self.interval = interval_seconds or ctx.settings.scheduler_interval_seconds
-        self.scheduling = SchedulingController(ctx)
-        self.leases = NodeLeaseController(ctx)
-        self.deadlines = MaxDurationController(ctx)
-        self.jobs = JobController(ctx, self.scheduling.scheduler)
-        self.drains = DrainController(ctx)
-        self.credit = CreditController(ctx)
-        self._leader_until: datetime | None = None
+        ttl = leader_ttl_seconds or ctx.settings.leader_ttl_seconds or LEADER_TTL_SECONDS
+        self.leader = leadership.Leader(ctx, "controllers", ttl, on_epoch=self._new_epoch,
+                                        on_change=self.wake)
+        self.holder = self.leader.holder
+        self.ctx = fenced = replace(ctx, db=ctx.db.guarded(self.leader.fence))
+        self.scheduling = SchedulingController(fenced)
+        self.leases = NodeLeaseController(fenced)
+        self.deadlines = MaxDurationController(fenced)
+        self.jobs = JobController(fenced, self.scheduling.scheduler)
+        self.drains = DrainController(fenced)
+        self.credit = CreditController(fenced)
+        self.retention = UsageRetentionController(fenced)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="controllers", daemon=True)
 
     def start(self) -> None:
+        self.leader.start()
         self._thread.start()
 
     def wake(self) -> None:
@@ -172,6 +240,7 @@ class ControllerRunner:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self.leader.stop()
 
     def run_once(self) -> None:
         if self._is_leader():
@@ -179,25 +248,24 @@ class ControllerRunner:
             self.deadlines.tick()
             self.drains.tick()
             self.credit.tick()
+            self.retention.tick()
             self.jobs.tick()
             self.scheduling.tick()
 
     def _is_leader(self) -> bool:
-        """Hold the controllers' lease, renewing it once half of it has run out (not on
-        every pass: passes come every 0.1 s while pods arrive)."""
-        now = self.ctx.clock.now()
-        if self._leader_until is not None and now < self._leader_until - LEADER_RENEW_BEFORE:
-            return True
-        if leadership.acquire(self.ctx, "controllers", self.holder, LEADER_TTL_SECONDS):
-            self._leader_until = now + timedelta(seconds=LEADER_TTL_SECONDS)
-            return True
-        self._leader_until = None
-        return False
+        """Whether this replica leads; the lease is renewed once half of it has run out
+        (by the lease thread in a server; here when a test drives the clock)."""
+        return self.leader.epoch is not None
+
+    def _new_epoch(self, _epoch: int) -> None:
+        self.leases.on_new_epoch()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.run_once()
+            except leadership.LeaderLostError as error:
+                log.warning("controller pass stopped: %s", error)
             except OperationalError as error:
                 log.warning("controller pass failed on the database, retrying: %s", error)
             except Exception:  # noqa: BLE001 - a bug in one pass must not stop every loop

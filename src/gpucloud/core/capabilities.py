@@ -16,6 +16,8 @@ CHECKPOINT_TRANSPARENT = "transparent"
 CHECKPOINT_MODES = (CHECKPOINT_DIRECTORY, CHECKPOINT_TRANSPARENT)
 #: The scheduler label a node with a working CRIU canary gets (transparent pods select it).
 CRIU_LABEL = "gpucloud.io/criu"
+#: ... and the label of one that can also suspend CUDA processes (GPU transparent pods).
+CUDA_CHECKPOINT_LABEL = "gpucloud.io/cuda-checkpoint"
 
 
 class NodeCapabilities(BaseModel):
@@ -24,6 +26,11 @@ class NodeCapabilities(BaseModel):
     criu: bool = False
     criu_reason: str | None = Field(default=None, max_length=2000)
     criu_version: str | None = Field(default=None, max_length=200)
-    #: NVIDIA's ``cuda-checkpoint`` utility is on the node's PATH (GPU transparent
-    #: checkpoints would need it; not used yet).
+    #: NVIDIA's ``cuda-checkpoint`` utility is on the node's PATH: with ``criu``, GPU pods
+    #: can take transparent checkpoints (runtime/cuda_checkpoint).
     cuda_checkpoint: bool = False
+    #: How pods with a share of a GPU share it here: ``mps`` or ``time-slicing`` (gpu/mps).
+    gpu_sharing: str | None = Field(default=None, pattern="^(mps|time-slicing)$")
+    #: cgroup v2 ``dmem`` with a region registered for these GPUs (UUIDs): their shares'
+    #: memory limits are also set as ``dmem.max`` (gpu/dmem).
+    dmem_gpus: list[str] = Field(default_factory=list, max_length=1024)

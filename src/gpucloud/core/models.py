@@ -7,7 +7,7 @@ Request bodies end in ``Request``; they forbid unknown fields so a typo is a 422
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -86,6 +86,16 @@ class PodCreateRequest(ContainerRequest):
         return round(self.gpus * 1000) if 0 < self.gpus < 1 else 0
 
 
+class MigDevice(BaseModel):
+    """A MIG device a pod runs on: its parent GPU, its own UUID (``MIG-…``), the profile
+    and the start slot of its GPU instance (the slot the scheduler chose)."""
+
+    gpu_uuid: str = Field(min_length=1, max_length=128)
+    mig_uuid: str = Field(min_length=1, max_length=128)
+    profile: str = Field(min_length=1, max_length=16)
+    slot: int = Field(ge=0, le=7)
+
+
 class PodOut(ContainerSpecOut):
     id: str
     name: str
@@ -120,6 +130,11 @@ class PodOut(ContainerSpecOut):
     last_preemption_reason: str | None = None
     last_preempted_at: datetime | None = None
     time_lost_seconds: float = 0.0
+    #: A MIG pod's start slot (as scheduled) and the MIG device its node made there.
+    mig_slot: int | None = None
+    mig_device: MigDevice | None = None
+    #: Set for a share of a GPU: one pod's fatal GPU fault can end its neighbours (gpu/mps).
+    gpu_sharing_warning: str | None = None
     #: The latest committed checkpoint of its ``--checkpoint-dir`` (``pod get`` only).
     last_checkpoint: CheckpointSummary | None = None
     #: The checkpoint interval (docs/checkpoints.md, pods with a checkpoint dir): δ the
@@ -169,6 +184,16 @@ class GpuInventory(_Request):
     index: int | None = Field(default=None, ge=0, le=1024)
     pci_bus_id: str | None = None
     mig_mode: bool = False
+    #: The GPU supports MIG; ``mig_instances``: the MIG devices it has now (fixed mode: the
+    #: layout the node advertises).
+    mig_capable: bool = False
+    mig_instances: list[MigDevice] = Field(default_factory=list, max_length=8)
+    #: Topology for placement and, later, VFIO passthrough (gpu/pci; None: unknown).
+    pcie_switch: int | None = None
+    iommu_group: int | None = None
+    #: What the node's health checks last said (set by the server, not registered).
+    healthy: bool = True
+    health_reason: str | None = None
 
 
 class NodeRegisterRequest(_Request):
@@ -202,8 +227,22 @@ class NodeRegisterResponse(BaseModel):
     gateway_public_keys: list[str] = Field(default_factory=list)
 
 
+class GpuHealthIn(_Request):
+    """One GPU's health as the agent's checks found it (gpu/health)."""
+
+    uuid: str = Field(min_length=1, max_length=128)
+    healthy: bool = True
+    reason: str | None = Field(default=None, max_length=500)
+
+
 class LeaseRequest(_Request):
     fencing_token: int | None = None
+    #: The GPUs' health (None: not checked): an unhealthy GPU is out of scheduling.
+    gpu_health: list[GpuHealthIn] | None = Field(default=None, max_length=1024)
+    #: A node-level fault (XID 79, NVLink): the node is cordoned with this reason; once
+    #: it is None again and ``auto_uncordon``, a node cordoned by its checks is uncordoned.
+    node_fault: str | None = Field(default=None, max_length=500)
+    auto_uncordon: bool = True
 
 
 class LeaseResponse(BaseModel):
@@ -254,6 +293,8 @@ class AgentPodStatusRequest(_Request):
     network: PodNetwork | None = None
     #: The outcome of fetching a migrating pod's volume disk (before its container starts).
     volume_migration: VolumeMigrationReport | None = None
+    #: The MIG device the agent made (or adopted) for a MIG pod, sent with ``Running``.
+    mig_device: MigDevice | None = None
 
 
 class AgentLogChunkRequest(_Request):
@@ -278,6 +319,8 @@ class AssignmentOut(BaseModel):
     memory_bytes: int
     gpu_uuids: list[str]
     gpu_milli: int = 0
+    #: A share's device memory limit (``--gpu-memory``); None: the GPU's memory.
+    gpu_memory_bytes: int | None = None
     #: SIGTERM-to-SIGKILL grace asked for by `pod stop --grace`; None: the agent's default.
     stop_grace_seconds: float | None = None
     #: Share the host's network namespace (members of a job: rendezvous between nodes).
@@ -313,6 +356,12 @@ class AssignmentOut(BaseModel):
     checkpoint_signal: str | None = None
     #: ``transparent``: the agent dumps the container with runc/CRIU (``--checkpoint``).
     checkpoint_mode: str | None = None
+    #: A MIG pod: the profile, the start slot the scheduler chose on ``gpu_uuids[0]`` and
+    #: the node's MIG policy (``dynamic``: create the instance there; ``fixed``: use the
+    #: existing one at that slot).
+    mig_profile: str | None = None
+    mig_slot: int | None = None
+    mig_policy: str = "dynamic"
 
 
 class AssignmentsOut(BaseModel):
@@ -348,6 +397,10 @@ class NodeOut(BaseModel):
     capabilities: NodeCapabilities = Field(default_factory=NodeCapabilities)
     #: ``node drain``: its progress (None: not draining).
     drain: NodeDrainOut | None = None
+    #: ``gpucloud node mig NODE --mode dynamic|fixed|off``.
+    mig_policy: str = "dynamic"
+    #: Why the node's health checks cordoned it (None: not them).
+    cordon_reason: str | None = None
 
 
 class ProjectCreateRequest(_Request):
@@ -408,6 +461,13 @@ class JoinTokenOut(JoinTokenInfoOut):
     """A new join token: its value is shown this once."""
 
     token: str
+
+
+class NodeMigRequest(_Request):
+    """``gpucloud node mig NODE --mode``: create MIG instances as pods are placed
+    (``dynamic``), use only the instances the node has (``fixed``), or no MIG (``off``)."""
+
+    mode: Literal["dynamic", "fixed", "off"]
 
 
 class ErrorOut(BaseModel):

@@ -11,12 +11,24 @@ def gpucloud_home() -> Path:
     return Path(os.environ.get("GPUCLOUD_HOME") or Path.home() / ".gpucloud")
 
 
+#: The most a replica may trust a cached API key (seconds): the revocation bound.
+MAX_AUTH_CACHE_TTL = 30.0
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
     database_url: str
     admin_key: str | None = None
     lease_ttl_seconds: float = 10.0
+    #: The controllers' leader lease (docs/replicas.md): a follower takes over within it
+    #: when the leader dies. Env GPUCLOUD_LEADER_TTL.
+    leader_ttl_seconds: float = 15.0
+    #: How long a replica may serve an API key (and priority classes) from its cache: a
+    #: key revoked on another replica is refused here within this bound (sooner with
+    #: PostgreSQL, whose NOTIFY clears the caches at once). Env GPUCLOUD_AUTH_CACHE_TTL,
+    #: at most MAX_AUTH_CACHE_TTL.
+    auth_cache_ttl_seconds: float = 5.0
     join_token_ttl_seconds: float = 24 * 3600.0
     #: Failed authentications allowed per client address (and per key prefix) in a
     #: burst, and how many more per minute after it (services/ratelimit.py).
@@ -54,6 +66,8 @@ class Settings:
     checkpoint_store: str | None = None
     #: Committed checkpoints kept per pod (each gang member by rank).
     checkpoint_retention: int = 2
+    #: Raw usage samples are kept this many days (the meter, pod_runs, is kept).
+    usage_retention_days: float = 7.0
     #: An upload that has not committed for this long may have its chunks collected.
     checkpoint_upload_ttl_seconds: float = 3600.0
     #: The checkpoint interval (docs/checkpoints.md): δ before any measured checkpoint,
@@ -75,6 +89,9 @@ class Settings:
             database_url=url,
             admin_key=os.environ.get("GPUCLOUD_ADMIN_KEY") or None,
             lease_ttl_seconds=float(os.environ.get("GPUCLOUD_LEASE_TTL", "10")),
+            leader_ttl_seconds=float(os.environ.get("GPUCLOUD_LEADER_TTL", "15")),
+            auth_cache_ttl_seconds=min(MAX_AUTH_CACHE_TTL, float(
+                os.environ.get("GPUCLOUD_AUTH_CACHE_TTL", "5"))),
             scheduler_profile=os.environ.get("GPUCLOUD_SCHEDULER_PROFILE", "default"),
             preemption_grace_seconds=_optional_float(
                 os.environ.get("GPUCLOUD_PREEMPTION_GRACE")),
@@ -87,6 +104,7 @@ class Settings:
             ssh_reuse_port=os.environ.get("GPUCLOUD_SSH_REUSE_PORT") == "1",
             checkpoint_store=os.environ.get("GPUCLOUD_CHECKPOINT_STORE") or None,
             checkpoint_retention=int(os.environ.get("GPUCLOUD_CHECKPOINT_RETENTION", "2")),
+            usage_retention_days=_retention_days(os.environ.get("GPUCLOUD_USAGE_RETENTION")),
             checkpoint_cost_default_seconds=float(
                 os.environ.get("GPUCLOUD_CHECKPOINT_COST_DEFAULT", "60")),
             interruption_prior_mtbf_seconds=float(
@@ -104,3 +122,17 @@ def _optional_float(value: str | None) -> float | None:
 
 def _optional_int(value: str | None) -> int | None:
     return int(value) if value else None
+
+
+def _retention_days(value: str | None) -> float:
+    """``GPUCLOUD_USAGE_RETENTION``: days, ``7`` or ``7d`` (default 7; more than 0)."""
+    if not value:
+        return 7.0
+    try:
+        days = float(value.strip().removesuffix("d"))
+    except ValueError:
+        raise ValueError(f"GPUCLOUD_USAGE_RETENTION={value!r}: expected days, e.g. 7 or 7d"
+                         ) from None
+    if not days > 0 or days == float("inf"):
+        raise ValueError(f"GPUCLOUD_USAGE_RETENTION={value!r}: must be more than 0 days")
+    return days

@@ -30,8 +30,11 @@ from gpucloud.core.gpu_models import canonical_name, is_well_formed
 from gpucloud.core.image_ref import parse_reference
 from gpucloud.core.names import check_dns_label
 from gpucloud.core.quantities import parse_cpu_milli, parse_memory
+from gpucloud.scheduler.mig import MIG_PROFILES, known_profile
 
 MAX_GPUS_PER_POD = 64
+#: The smallest share of a GPU (``--gpus 0.01``): 1% of its SMs under MPS.
+MIN_GPU_SHARE = 0.01
 MAX_CPU_MILLI = 1024 * 1000
 MAX_MEMORY_BYTES = 64 * 1024**4
 MAX_COMMAND_ARGS = 1024
@@ -66,15 +69,15 @@ DnsName = Annotated[str, AfterValidator(_dns_name),
 
 
 def check_gpus(value: float) -> float:
-    """Whole GPUs up to 64, or one share of a GPU below 1 (at least 0.001)."""
+    """Whole GPUs up to 64, or one share of a GPU below 1 (at least 0.01)."""
     if value < 0:
         raise ValueError("must not be negative")
     if value > MAX_GPUS_PER_POD:
         raise ValueError(f"must be at most {MAX_GPUS_PER_POD}")
     if value > 1 and value != int(value):
         raise ValueError("a fraction of a GPU is allowed only below 1 (e.g. 0.5)")
-    if 0 < value < 1 and round(value * 1000) < 1:
-        raise ValueError("a GPU share must be at least 0.001")
+    if 0 < value < MIN_GPU_SHARE:
+        raise ValueError(f"a GPU share must be at least {MIN_GPU_SHARE}")
     return value
 
 
@@ -146,6 +149,40 @@ class ContainerSpec(_Request):
     #: ``directory`` (the default with a checkpoint dir: the program writes its own) or
     #: ``transparent`` (the node dumps the container with runc/CRIU; CPU pods only).
     checkpoint: str | None = None
+    #: One MIG instance of this profile (``--mig 1g.10gb``), a name of the GPU model's
+    #: profiles (``scheduler.mig``); not together with a share of a GPU.
+    mig: str | None = None
+    #: A share's device memory limit (``--gpu-memory 20Gi``; only with ``--gpus`` below 1):
+    #: set on the GPU's MPS daemon and, where the node has cgroup dmem, as ``dmem.max``.
+    gpu_memory: int | str | None = None
+
+    @field_validator("gpu_memory")
+    @classmethod
+    def _gpu_memory(cls, value: int | str | None) -> int | str | None:
+        if value is None:
+            return None
+        try:
+            size = parse_memory("gpu_memory", value)
+        except InvalidInput as error:
+            raise _reraise("gpu_memory", error) from None
+        if size < 1024**2:
+            raise ValueError("must be at least 1Mi")
+        return value
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        return None if self.gpu_memory is None else parse_memory("gpu_memory", self.gpu_memory)
+
+    @field_validator("mig")
+    @classmethod
+    def _mig(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        profile = value.strip().lower()
+        if not known_profile(profile):
+            raise ValueError(f"{value!r} is not a MIG profile of any GPU model "
+                             f"(e.g. {', '.join(sorted(MIG_PROFILES['H100-80GB']))})")
+        return profile
 
     @field_validator("checkpoint_signal")
     @classmethod
@@ -305,6 +342,8 @@ class ContainerSpecOut(BaseModel):
     checkpoint_dir: str | None = None
     checkpoint_signal: str | None = None
     checkpoint: str | None = None
+    mig: str | None = None
+    gpu_memory: int | None = None
 
 
 class TemplateCreateRequest(ContainerSpec):

@@ -83,6 +83,10 @@ class ContainerSpecColumns:
     #: (None: directory when a checkpoint dir is set) (migration 0009).
     checkpoint_signal: Mapped[str | None] = mapped_column(String(16), default=None)
     checkpoint_mode: Mapped[str | None] = mapped_column(String(16), default=None)
+    #: ``--mig PROFILE``: one MIG instance of that profile (migration 0013).
+    mig_profile: Mapped[str | None] = mapped_column(String(16), default=None)
+    #: ``--gpu-memory 20Gi``: a GPU share's device memory limit (migration 0013).
+    gpu_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
 
 
 class ProjectModel(Base):
@@ -158,6 +162,11 @@ class NodeModel(Base):
     #: When the lease was last granted or renewed (migration 0011): a lost node's pods are
     #: metered up to here, not to when the loss was noticed.
     lease_renewed_at: Mapped[datetime | None] = mapped_column(default=None)
+    #: ``gpucloud node mig NODE --mode dynamic|fixed|off`` (migration 0013; None: dynamic).
+    mig_policy: Mapped[str | None] = mapped_column(String(16), default=None)
+    #: Why the node is cordoned when its health checks did it (migration 0013; None: an
+    #: operator's cordon, or not cordoned); cleared when the checks pass again.
+    cordon_reason: Mapped[str | None] = mapped_column(String(500), default=None)
 
 
 class PodModel(ContainerSpecColumns, Base):
@@ -246,6 +255,10 @@ class PodModel(ContainerSpecColumns, Base):
     avoid_node_id: Mapped[str | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), default=None)
     avoid_until: Mapped[datetime | None] = mapped_column(default=None)
+    #: A MIG pod's start slot on its GPU as the scheduler chose it, and the MIG device the
+    #: agent made there (``{"gpu_uuid", "mig_uuid", "profile", "slot"}``) (migration 0013).
+    mig_slot: Mapped[int | None] = mapped_column(Integer, default=None)
+    mig_device: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
 
 
 class JobModel(ContainerSpecColumns, Base):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import CursorResult, Engine, Executable, create_engine, event
+from sqlalchemy import CursorResult, Engine, Executable, Row, create_engine, event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -46,7 +48,43 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_size=16, max_overflow=16, pool_recycle=3600)
+    engine = create_engine(url, pool_size=16, max_overflow=16, pool_recycle=3600)
+    event.listen(engine, "checkin", _mark_idle)
+    event.listen(engine, "checkout", _ping_if_idle)
+    return engine
+
+
+#: A pooled connection idle for longer than this is pinged before use (PostgreSQL).
+PING_AFTER_IDLE_SECONDS = 5.0
+_IDLE_SINCE = "gpucloud_idle_since"
+
+
+def _mark_idle(_dbapi_connection: Any, record: Any) -> None:
+    if record is not None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+    """Reconnect by itself after a PostgreSQL restart or failover, without the round trip
+    ``pool_pre_ping`` costs on every checkout (a lease renewal is one statement).
+
+    A connection that sat idle in the pool is pinged first; a dead one raises
+    DisconnectionError, on which the pool opens a fresh one. A busy connection is not:
+    if its server died, the statement that finds out fails (503, api/errors.py), and
+    SQLAlchemy, seeing a disconnect, invalidates every connection opened before it, so
+    the pool is renewed after the first failure, not one request per connection."""
+    idle_since = record.info.get(_IDLE_SINCE)
+    if idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS:
+        return
+    try:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("SELECT 1")
+        finally:
+            cursor.close()
+        dbapi_connection.rollback()  # leave no transaction open behind the ping
+    except Exception as error:  # noqa: BLE001 - any failure means: not usable
+        raise DisconnectionError(f"idle connection is gone: {error}") from error
 
 
 def rows_changed(session: Session, statement: Executable) -> int:
@@ -115,5 +153,41 @@ class Database:
                 statement, parameters
             )
 
+    def first_atomic(self, statement: Executable,
+                     parameters: dict[str, Any] | None = None) -> Row[Any] | None:
+        """The first row of one statement (an ``UPDATE … RETURNING``) run as its own
+        transaction: a single round trip on PostgreSQL (autocommit), BEGIN IMMEDIATE on
+        SQLite."""
+        with self.engine.connect() as connection:
+            if self.is_sqlite:
+                with connection.begin():
+                    return connection.execute(statement, parameters).first()
+            return connection.execution_options(isolation_level="AUTOCOMMIT").execute(
+                statement, parameters).first()
+
+    def guarded(self, guard: Callable[[Session], None]) -> Database:
+        """The same database whose every ``transaction()`` first runs ``guard`` (the
+        controller leader's fencing check, services/leadership.py); reads are not
+        guarded. Shares this one's engine; disposing it leaves the engine open."""
+        return _GuardedDatabase(self, guard)
+
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+class _GuardedDatabase(Database):
+    def __init__(self, inner: Database, guard: Callable[[Session], None]) -> None:
+        self.url = inner.url
+        self.engine = inner.engine
+        self._sessions = inner._sessions
+        self._read_sessions = inner._read_sessions
+        self._guard = guard
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        with super().transaction() as session:
+            self._guard(session)
+            yield session
+
+    def dispose(self) -> None:
+        pass

@@ -29,6 +29,8 @@ class GpuDevice(BaseModel):
     nvlink_peers: tuple[int, ...] = ()
     pci_bus_id: str | None = None
     pcie_switch: int | None = None
+    #: The IOMMU group (sysfs): what VFIO passthrough would bind as one unit.
+    iommu_group: int | None = None
     mig_capable: bool = False
     mig_mode: bool = False
     simulated: bool = False
@@ -48,7 +50,10 @@ class GpuDevice(BaseModel):
             "nvlink_peers": list(self.nvlink_peers),
             "index": self.index,
             "pci_bus_id": self.pci_bus_id,
+            "pcie_switch": self.pcie_switch,
+            "iommu_group": self.iommu_group,
             "mig_mode": self.mig_mode,
+            "mig_capable": self.mig_capable,
         }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from gpucloud.core.gpu_models import lookup
 from gpucloud.gpu.domain import GpuDevice
 from gpucloud.gpu.host import normalize_bus_id, pci_numa_node
+from gpucloud.gpu.pci import pci_facts, switch_numbers
 
 try:
     import pynvml as _pynvml
@@ -125,11 +126,21 @@ def _device(
     )
 
 
+def _with_pci(gpus: tuple[GpuDevice, ...], sysfs: Path) -> tuple[GpuDevice, ...]:
+    """The PCIe switch and IOMMU group of each GPU, from sysfs (gpu/pci)."""
+    facts = [pci_facts(gpu.pci_bus_id, sysfs) if gpu.pci_bus_id else None for gpu in gpus]
+    switches = switch_numbers([fact.switch if fact else None for fact in facts])
+    return tuple(gpu.model_copy(update={"pcie_switch": switch,
+                                        "iommu_group": fact.iommu_group if fact else None})
+                 for gpu, fact, switch in zip(gpus, facts, switches, strict=True))
+
+
 def _inventory(nvml: Any, sysfs: Path) -> NvmlInventory:
     count = int(nvml.nvmlDeviceGetCount())
     handles = [nvml.nvmlDeviceGetHandleByIndex(index) for index in range(count)]
     bus_ids = [normalize_bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId) for handle in handles]
-    gpus = tuple(_device(nvml, handles, bus_ids, index, sysfs) for index in range(count))
+    gpus = _with_pci(tuple(_device(nvml, handles, bus_ids, index, sysfs)
+                           for index in range(count)), sysfs)
     driver = _optional(nvml, nvml.nvmlSystemGetDriverVersion)
     return NvmlInventory(gpus, _text(driver) if driver else None, _cuda_version(nvml))
 

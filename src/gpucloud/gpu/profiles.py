@@ -37,6 +37,9 @@ class HardwareProfile:
     memory_bytes: int
     nvlink_domains: tuple[tuple[int, ...], ...] = ()
     pcie_switches: tuple[tuple[int, ...], ...] = ()
+    #: The GPUs start in MIG mode (an admin switched it on at drain time, as on a real
+    #: node); their instances are made as MIG pods are placed.
+    mig_mode: bool = False
 
     @property
     def gpu_count(self) -> int:
@@ -59,6 +62,17 @@ PROFILES: tuple[HardwareProfile, ...] = (
         cpu_cores=224,
         memory_bytes=2048 * GiB,
         nvlink_domains=((0, 1, 2, 3, 4, 5, 6, 7),),
+    ),
+    HardwareProfile(
+        name="h100-1",
+        description="One H100 80GB SXM in MIG mode (7 compute / 8 memory slices), "
+        "Xeon 8480C (56 cores), 256 GiB, 1 NUMA node",
+        gpu_model="H100-80GB",
+        bus_ids=("0000:18:00.0",),
+        numa_nodes=(0,),
+        cpu_cores=112,
+        memory_bytes=256 * GiB,
+        mig_mode=True,
     ),
     HardwareProfile(
         name="hgx-a100-40gb",
@@ -136,7 +150,7 @@ def _device(profile: HardwareProfile, node_name: str, index: int) -> GpuDevice:
         pci_bus_id=profile.bus_ids[index],
         pcie_switch=profile.pcie_switches.index(switch) if switch else None,
         mig_capable=model.mig_capable,
-        mig_mode=False,
+        mig_mode=profile.mig_mode and model.mig_capable,
         simulated=True,
     )
 

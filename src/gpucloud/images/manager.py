@@ -124,6 +124,11 @@ class ImageManager:
             raise ImageNotFound(f"image {ref} is not in the local image store")
         return cached
 
+    def lazy_events(self, bundle: Path) -> list[tuple[str, str]]:
+        """(reason, message) of lazy-pull events of the pod at ``bundle`` since last asked
+        (fallbacks to a full pull, chunk digest mismatches, prefetch failures)."""
+        return self.lazy.take_events(bundle) if self.lazy is not None else []
+
     def list_images(self) -> list[ImageRecord]:
         """Every image in the local store, by reference."""
         return self._index.all()
@@ -148,8 +153,14 @@ class ImageManager:
         importer = ArchiveImporter(self._blobs, self._index, self.platform)
         return importer.import_path(path, name)
 
-    def prepare_rootfs(self, image: Image, bundle: Path) -> Path:
-        """Create ``bundle/rootfs`` for a new pod of ``image``; return it. Fast when cached."""
+    def prepare_rootfs(self, image: Image, bundle: Path,
+                       credentials: Credentials | None = None) -> Path:
+        """Create ``bundle/rootfs`` for a new pod of ``image``; return it. Fast when cached.
+
+        ``credentials`` (the pod's registry login) are what its lazy mounts, and their
+        fallback full pulls, fetch with."""
+        if credentials is not None and self.lazy is not None:
+            self.lazy.use_credentials(bundle, credentials)
         return self._rootfs().prepare(image, bundle)
 
     def release_rootfs(self, bundle: Path) -> None:

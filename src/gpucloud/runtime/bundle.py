@@ -79,6 +79,8 @@ class ContainerSpec:
     #: The network namespace to join (a path) and the pod's address in it.
     netns: str | None = None
     ip: str | None = None
+    #: cgroup v2 files for ``linux.resources.unified`` (``dmem.max`` of a GPU share).
+    unified: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,8 @@ def _resources(spec: ContainerSpec) -> dict[str, Any]:
         resources["memory"] = memory
     if spec.pids_limit:
         resources["pids"] = {"limit": spec.pids_limit}
+    if spec.unified:
+        resources["unified"] = dict(spec.unified)
     return resources
 
 

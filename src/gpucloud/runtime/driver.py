@@ -12,6 +12,7 @@ so several agents on one machine never see each other's containers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,8 +30,9 @@ from typing import Any
 
 from gpucloud.core.errors import Conflict, InvalidInput, NotFound
 from gpucloud.gpu.cdi import ContainerEdits
-from gpucloud.runtime import criu
+from gpucloud.runtime import criu, cuda_checkpoint
 from gpucloud.runtime.bundle import Bundle, ContainerSpec, ImageConfig, build_bundle
+from gpucloud.runtime.cuda_checkpoint import SuspendedGpus
 from gpucloud.runtime.errors import RuncError
 from gpucloud.runtime.layout import CONTAINER_ID, ContainerPaths, read_json, write_json_atomic
 from gpucloud.runtime.supervisor import runc_error
@@ -179,23 +181,43 @@ class RuncDriver:
             extra += ["--restore", str(restore_from)]
         return self._supervise(container_id, gated=False, extra=extra)
 
-    def dump(self, container_id: str, image_dir: Path, *, leave_running: bool) -> None:
+    def dump(self, container_id: str, image_dir: Path, *, leave_running: bool,
+             gpus: bool = False) -> None:
         """``runc checkpoint`` the container into ``image_dir`` (emptied first); without
         ``leave_running`` it ends, recorded as ``checkpointed``. Only a container started
-        with ``pipe_log`` can be restored on another node. Raises RuncError with CRIU's
-        first error."""
+        with ``pipe_log`` can be restored on another node. ``gpus``: its CUDA processes
+        are suspended with cuda-checkpoint first (and resumed when it keeps running).
+        Raises RuncError with CRIU's (or cuda-checkpoint's) first error."""
         paths = self.paths(container_id)
         shutil.rmtree(image_dir, ignore_errors=True)
         work = paths.root / "criu-dump"
         shutil.rmtree(work, ignore_errors=True)
+        runc = [self.runc, "--root", str(self.runc_root)]
         if not leave_running:
             write_json_atomic(paths.checkpointed, {"at": time.time()})
         try:
-            criu.checkpoint([self.runc, "--root", str(self.runc_root)], container_id,
-                            image_dir, work, leave_running=leave_running)
-        except criu.CanaryFailed as error:
+            with self._gpus_suspended(container_id, gpus) as suspended:
+                criu.checkpoint(runc, container_id, image_dir, work,
+                                leave_running=leave_running)
+                if suspended is not None and not leave_running:
+                    suspended.keep_suspended()  # dumped suspended: restore resumes them
+        except (criu.CanaryFailed, RuncError) as error:
             paths.checkpointed.unlink(missing_ok=True)
             raise RuncError(str(error)) from None
+
+    def _gpus_suspended(self, container_id: str, gpus: bool
+                        ) -> contextlib.AbstractContextManager[SuspendedGpus | None]:
+        """Around a dump of a GPU container: its CUDA processes suspended with
+        ``cuda-checkpoint`` (runtime/cuda_checkpoint); nothing for a CPU container."""
+        if not gpus:
+            return contextlib.nullcontext()
+        binary = cuda_checkpoint.find_binary()
+        if binary is None:
+            raise RuncError("a GPU container's transparent checkpoint needs NVIDIA's "
+                            "cuda-checkpoint, which is not installed on this node")
+        runc = [self.runc, "--root", str(self.runc_root)]
+        pids = cuda_checkpoint.container_pids(runc, container_id)
+        return SuspendedGpus(binary, cuda_checkpoint.gpu_pids(pids))
 
     def create(self, container_id: str) -> ContainerStatus:
         """Create a built container (state CREATING) whose command waits for ``release``:

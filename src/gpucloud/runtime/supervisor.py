@@ -53,7 +53,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from gpucloud.runtime import cuda_checkpoint
 from gpucloud.runtime.cgroups import memory_cgroup_dir, oom_killed
+from gpucloud.runtime.errors import RuncError
 from gpucloud.runtime.layout import ContainerPaths, read_json, write_json_atomic
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -318,6 +320,7 @@ class Supervisor:
         """Start a created container, unless a stop arrived while it was being created.
         A restored one runs already (its namespace's loopback came back with it)."""
         if self.restore_from is not None:
+            self._resume_gpus()
             return
         if _has_private_network(self.paths.config):
             _loopback_up(pid)
@@ -325,6 +328,21 @@ class Supervisor:
             os.kill(pid, signal.SIGKILL)
             return
         self._runc("start", self.paths.container_id)
+
+    def _resume_gpus(self) -> None:
+        """A container dumped with its CUDA processes suspended (``cuda_checkpoint``) gets
+        them back on the GPU once restored; without the utility there is nothing to do (a
+        GPU pod is placed for transparent checkpoints only where it is installed)."""
+        binary = cuda_checkpoint.find_binary()
+        if binary is None:
+            return
+        try:
+            resumed = cuda_checkpoint.resume_restored(binary, self.runc_command,
+                                                      self.paths.container_id)
+        except RuncError as error:
+            raise SupervisorError(f"restored, but its GPU state was not: {error}") from None
+        if resumed:
+            _log(f"resumed the GPU state of pids {resumed}")
 
     def _await_release(self) -> None:
         """Hold a created container until the agent releases it or a stop arrives.

@@ -151,17 +151,28 @@ def admit_and_insert(ctx: ServiceContext, caller: Principal, row: dict[str, Any]
     caller inserts it on the fast path."""
     if not is_limited(ctx, caller.project_id):
         return False
-    now = ctx.clock.now()
     with ctx.db.transaction() as session:
-        limit = session.get(SpendLimitModel, caller.project_id, with_for_update=True)
-        if limit is not None:
-            _check(session, caller, limit, row, now)
+        admit(ctx, session, caller, [row])
         session.execute(insert, row)
     return True
 
 
-def _check(session: Session, caller: Principal, limit: SpendLimitModel, row: dict[str, Any],
-           now: datetime) -> None:
+def admit(ctx: ServiceContext, session: Session, caller: Principal,
+          rows: list[dict[str, Any]]) -> None:
+    """Check that the project may add all of ``rows`` (pod columns: ``gpus``,
+    ``gpu_type``, ``spot``, ``cpu_milli``, ``volume_bytes``) at once — a job's members
+    are admitted all or none. Holds the project's limit row (FOR UPDATE) until the
+    caller's transaction, which inserts them, ends; nothing to check (or lock) for a
+    project with neither a limit nor a credit."""
+    if not rows or not is_limited(ctx, caller.project_id):
+        return
+    limit = session.get(SpendLimitModel, caller.project_id, with_for_update=True)
+    if limit is not None:
+        _check(session, caller, limit, rows, ctx.clock.now())
+
+
+def _check(session: Session, caller: Principal, limit: SpendLimitModel,
+           rows: list[dict[str, Any]], now: datetime) -> None:
     book = prices.load_book(session)
     left = balance(session, book, limit, now)
     if left is not None and left <= 0:
@@ -171,17 +182,22 @@ def _check(session: Session, caller: Principal, limit: SpendLimitModel, row: dic
     if limit.per_hour_micros is None:
         return
     fallback = _fallbacks(session, book, now)
-    model = canonical_name(row["gpu_type"]) if row.get("gpu_type") else fallback[
-        bool(row.get("spot"))]
-    need = hourly_rate(book, now, float(row["gpus"]), model, bool(row.get("spot")),
-                       int(row["cpu_milli"]), row.get("volume_bytes"))
+    models = [canonical_name(row["gpu_type"]) if row.get("gpu_type") else fallback[
+        bool(row.get("spot"))] for row in rows]
+    need = sum((hourly_rate(book, now, float(row["gpus"]), model, bool(row.get("spot")),
+                            int(row["cpu_milli"]), row.get("volume_bytes"))
+                for row, model in zip(rows, models, strict=True)), Decimal(0))
     reserved = reserved_per_hour(session, book, caller.project_id, now)
     cap = from_micros(limit.per_hour_micros)
     if reserved + need > cap:
+        what = _what(rows[0], models[0])
+        if len(rows) > 1:
+            what = f"{len(rows)} members × {what}"
         raise Conflict(
             f"spend limit: project {caller.project_name!r} may spend ${cap:.2f}/h; its "
-            f"admitted pods reserve ${reserved:.2f}/h and this pod needs ${need:.2f}/h "
-            f"({_what(row, model)}); stop a pod or ask an admin to raise the limit "
+            f"admitted pods reserve ${reserved:.2f}/h and this "
+            f"{'job' if len(rows) > 1 else 'pod'} needs ${need:.2f}/h "
+            f"({what}); stop a pod or ask an admin to raise the limit "
             "(gpucloud project limit set)")
 
 

@@ -27,9 +27,9 @@ from gpucloud.core.phases import (
     should_restart,
 )
 from gpucloud.db.models import JobModel, NodeModel, PodLogChunkModel, PodModel, ProjectModel
-from gpucloud.services import checkpoint_index, interval, migration, spot, volumes
+from gpucloud.services import checkpoint_index, interval, mig, migration, spot, volumes
 from gpucloud.services.context import ServiceContext
-from gpucloud.services.events import transition
+from gpucloud.services.events import record_event, transition
 from gpucloud.services.fencing import check_fencing
 from gpucloud.services.pods import bump_assignments, requeue
 from gpucloud.services.scheduling import retry_unschedulable
@@ -66,6 +66,7 @@ def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
             _add_pull_credentials(session, pod, assignment)
             checkpoint_index.add_to_assignment(session, pod, assignment)
             interval.add_to_assignment(ctx, session, pod, assignment)
+            assignment.mig_policy = mig.mig_policy(node)
         return AssignmentsOut(revision=node.assignments_revision,
                               fencing_token=node.fencing_token, pods=pods,
                               volume_pods=_volume_pods(session, node_id),
@@ -117,9 +118,10 @@ def _assignment(pod: PodModel, project: str, barrier_released: bool) -> Assignme
         command=pod.command, env=pod.env, ports=pod.ports, cpu_milli=pod.cpu_milli,
         memory_bytes=pod.memory_bytes, gpu_uuids=pod.gpu_uuids,
         gpu_milli=round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0,
+        gpu_memory_bytes=pod.gpu_memory_bytes,
         stop_grace_seconds=pod.stop_grace_seconds, host_network=member, barrier=member,
         barrier_released=member and barrier_released, entrypoint=pod.entrypoint,
-        stop_notice=spot.notice_of(pod),
+        stop_notice=spot.notice_of(pod), mig_profile=pod.mig_profile, mig_slot=pod.mig_slot,
     )
 
 
@@ -148,9 +150,10 @@ def report_status(ctx: ServiceContext, node_id: str, pod_id: str,
             pod.network = report.network.model_dump()
         if report.volume_migration is not None:
             migration.apply_report(session, pod, node, report.volume_migration, now)
+        mig.record_device(pod, report.phase, report.mig_device)
         current = PodPhase(pod.phase)
         if report.phase is current:
-            _update_reason(pod, report, now)
+            _update_reason(session, pod, report, now)
             return current
         if current not in ACTIVE_PHASES:
             raise Conflict(f"pod {pod.name!r} is {current}; the agent's report is too late")
@@ -158,9 +161,12 @@ def report_status(ctx: ServiceContext, node_id: str, pod_id: str,
         return PodPhase(pod.phase)
 
 
-def _update_reason(pod: PodModel, report: AgentPodStatusRequest, now: datetime) -> None:
+def _update_reason(session: Session, pod: PodModel, report: AgentPodStatusRequest,
+                   now: datetime) -> None:
     if report.reason and (report.reason, report.message) != (pod.reason, pod.message):
         pod.reason, pod.message, pod.updated_at = report.reason, report.message, now
+        # A same-phase report with news (e.g. a lazy pull's LazyPullFallback): an event.
+        record_event(session, pod.id, now, report.reason, report.message)
 
 
 def _apply_phase(ctx: ServiceContext, session: Session, pod: PodModel,

@@ -7,6 +7,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpucloud.core.clock import Clock
@@ -28,6 +29,8 @@ class TtlCache:
         self.max_entries = max_entries
         self._entries: dict[str, tuple[float, object]] = {}
         self._lock = threading.Lock()
+        #: Tells the other replicas to clear theirs (services/notify.py, on PostgreSQL).
+        self.publisher: Callable[[], None] | None = None
 
     def get(self, key: str) -> object | None:
         with self._lock:
@@ -43,6 +46,13 @@ class TtlCache:
             self._entries[key] = (time.monotonic() + self.ttl_seconds, value)
 
     def clear(self) -> None:
+        """Forget everything here and, as a hint, on the other replicas."""
+        self.clear_local()
+        publisher = self.publisher
+        if publisher is not None:
+            publisher()
+
+    def clear_local(self) -> None:
         with self._lock:
             self._entries.clear()
 

@@ -9,7 +9,12 @@ from gpucloud.db.models import NodeModel
 
 def check_fencing(node: NodeModel, token: int) -> None:
     """Refuse (409) a write carrying a token other than the node's current grant."""
-    if token != node.fencing_token:
+    check_token(node.fencing_token, token)
+
+
+def check_token(current: int, token: int) -> None:
+    """``check_fencing`` against the node's current token read without loading the node."""
+    if token != current:
         raise StaleFencingToken(
-            f"stale fencing token {token} (current {node.fencing_token}); renew the lease"
+            f"stale fencing token {token} (current {current}); renew the lease"
         )

@@ -8,6 +8,7 @@ members wrote and what happened to them is read in ``services.job_history``.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -30,13 +31,13 @@ from gpucloud.core.phases import ACTIVE_PHASES, PodPhase, RestartPolicy
 from gpucloud.core.spot import priority_class_of
 from gpucloud.db.models import JobModel, NodeModel, PodModel
 from gpucloud.scheduler import Explanation
-from gpucloud.services import backfill, gangs, priorities
+from gpucloud.services import admission, backfill, gangs, priorities
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event
 from gpucloud.services.pods import bump_assignments
 from gpucloud.services.projects import Principal
 from gpucloud.services.scheduling import snapshot
-from gpucloud.services.spec import check_spec, copy_columns, spec_columns, spec_out
+from gpucloud.services.spec import check_mig, check_spec, copy_columns, spec_columns, spec_out
 from gpucloud.services.transparent import check_transparent
 
 
@@ -44,6 +45,7 @@ def create_job(ctx: ServiceContext, caller: Principal, request: JobCreateRequest
     """Record the job and its Pending members in one transaction."""
     _check_member_names(request)
     check_spec(ctx, caller.project_id, request)
+    check_mig(request, request.gpus_per_node)
     check_transparent(ctx, request, gpus=request.gpus_per_node, nodes=request.nodes,
                       job=True)
     now = ctx.clock.now()
@@ -53,10 +55,11 @@ def create_job(ctx: ServiceContext, caller: Principal, request: JobCreateRequest
     try:
         with ctx.db.transaction() as session:
             _check_names_free(session, caller, request)
+            members = [_member(job, rank, now) for rank in range(request.nodes)]
+            admission.admit(ctx, session, caller, [_rate_columns(m) for m in members])
             session.add(job)
             session.flush()
-            for rank in range(request.nodes):
-                session.add(_member(job, rank, now))
+            session.add_all(members)
             session.flush()
             return _job_out(session, job, caller.project_name)
     except IntegrityError:
@@ -113,6 +116,12 @@ def _member(job: JobModel, rank: int, now: datetime) -> PodModel:
         attempt=0, restart_count=0, job_id=job.id, rank=rank,
         created_at=now, updated_at=now, version=0, **copy_columns(job),
     )
+
+
+def _rate_columns(member: PodModel) -> dict[str, Any]:
+    """What the spend limit prices a member by (as for a pod's row)."""
+    return {"gpus": member.gpus, "gpu_type": member.gpu_type, "spot": member.spot,
+            "cpu_milli": member.cpu_milli, "volume_bytes": member.volume_bytes}
 
 
 def _job_out(session: Session, job: JobModel, project: str) -> JobOut:

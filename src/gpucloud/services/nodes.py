@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from functools import partial
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -15,6 +16,7 @@ from gpucloud.core.models import (
     GpuInventory,
     JoinTokenOut,
     JoinTokenRequest,
+    LeaseRequest,
     LeaseResponse,
     NodeOut,
     NodeRegisterRequest,
@@ -29,8 +31,8 @@ from gpucloud.core.phases import (
 )
 from gpucloud.core.spot import DrainState, NodeDrainOut, StopReason
 from gpucloud.db.models import NodeModel, PodModel
-from gpucloud.db.session import rows_changed
-from gpucloud.services import join_tokens, spot
+from gpucloud.db.session import on_commit, rows_changed
+from gpucloud.services import join_tokens, spot, wakeups
 from gpucloud.services.context import (
     ServiceContext,
     hash_secret,
@@ -74,6 +76,8 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegi
     with ctx.db.transaction() as session:
         join_tokens.use(session, request.join_token, now)
         node = session.scalar(select(NodeModel).where(NodeModel.name == request.name))
+        if node is not None:  # its old token is refused from now on, on every replica
+            on_commit(session, ctx.cache.clear)
         if node is None:
             node = NodeModel(id=new_id(), name=request.name, registered_at=now, fencing_token=0,
                              assignments_revision=0, version=0, cordoned=False)
@@ -87,6 +91,7 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegi
         node.provider = request.provider
         _set_access(node, request)
         _grant(node, now, ttl)
+        _announce(session, node.id)
         retry_unschedulable(session)
         return NodeRegisterResponse(node_id=node.id, name=node.name, node_token=secret,
                                     fencing_token=node.fencing_token, lease_ttl_seconds=ttl,
@@ -102,6 +107,11 @@ def _set_access(node: NodeModel, request: NodeRegisterRequest) -> None:
     node.capabilities = request.capabilities.model_dump()
 
 
+def _announce(session: Session, node_id: str) -> None:
+    """Wake the node's assignment long polls once this revision bump commits."""
+    on_commit(session, partial(wakeups.ASSIGNMENTS.notify, node_id))
+
+
 def _grant(node: NodeModel, now: datetime, ttl: float) -> None:
     node.fencing_token += 1
     node.status = NodeStatus.READY.value
@@ -111,21 +121,91 @@ def _grant(node: NodeModel, now: datetime, ttl: float) -> None:
     node.assignments_revision += 1
 
 
+_NODE_TOKEN = "node:"
+
+
+def cached_node(ctx: ServiceContext, token: str | None) -> str | None:
+    """The node of a token authenticated in the last few seconds (``ctx.cache``, as API
+    keys are), without a query. A node's re-registration replaces its token and clears
+    the cache here and, as a hint, on the other replicas; elsewhere the old token lives
+    at most the cache TTL, and every write it could make is refused by the fencing
+    token, which re-registration moved on."""
+    if not token:
+        return None
+    cached = ctx.cache.get(_NODE_TOKEN + hash_secret(token))
+    return cached if isinstance(cached, str) else None
+
+
 def authenticate_node(ctx: ServiceContext, token: str | None) -> str:
     """The id of the node whose agent holds ``token``."""
     if not token:
         raise Unauthorized("missing node token")
-    with ctx.db.transaction() as session:
+    cached = cached_node(ctx, token)
+    if cached is not None:
+        return cached
+    with ctx.db.read() as session:
         row = session.execute(  # by hash: see secret_matches for why that is safe
             select(NodeModel.id, NodeModel.token_hash)
             .where(NodeModel.token_hash == hash_secret(token))
         ).first()
     if row is None or not secret_matches(token, row[1]):
         raise Unauthorized("invalid node token")
+    ctx.cache.put(_NODE_TOKEN + row[1], str(row[0]))
     return str(row[0])
 
 
-def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None) -> LeaseResponse:
+def renew_current(ctx: ServiceContext, token: str, request: LeaseRequest) -> LeaseResponse | None:
+    """A renewal's hot path: one guarded ``UPDATE … RETURNING`` (one round trip) that
+    authenticates the node token by its hash, checks the fencing token, and extends the
+    grant only while it is current (``Ready``, not lapsed) and there is no health to
+    apply. None when it changed nothing — a new grant asked for, a stale token, a lapsed
+    or lost lease, health news, an unknown token: the caller then takes the full path
+    (``authenticate_node`` and ``renew_lease``), which gives each its answer (401, 409,
+    a new grant). A lapse races ``expire_leases`` on the row lock: whichever lands first
+    wins, and the other's guard then matches nothing."""
+    if request.fencing_token is None or request.gpu_health is not None \
+            or request.node_fault is not None:
+        return None
+    now = ctx.clock.now()
+    ttl = ctx.settings.lease_ttl_seconds
+    expires = now + timedelta(seconds=ttl)
+    guard = [NodeModel.token_hash == hash_secret(token),
+             NodeModel.fencing_token == request.fencing_token,
+             NodeModel.status == NodeStatus.READY.value, NodeModel.lease_expires_at > now]
+    if request.auto_uncordon:
+        guard.append(NodeModel.cordon_reason.is_(None))  # else: uncordon (full path)
+    row = ctx.db.first_atomic(
+        update(NodeModel).where(*guard)
+        .values(lease_expires_at=expires, lease_renewed_at=now)
+        .returning(NodeModel.token_hash))
+    if row is None or not secret_matches(token, row[0]):
+        return None
+    return LeaseResponse(fencing_token=request.fencing_token, lease_expires_at=expires,
+                         lease_ttl_seconds=ttl, new_grant=False)
+
+
+def _apply_health(node: NodeModel, health: LeaseRequest) -> None:
+    """Mark each reported GPU healthy or not (the scheduler skips unhealthy ones); cordon
+    the node on a node-level fault with its reason, uncordon it when the fault is gone and
+    the agent says so (never a cordon an operator made: that has no reason)."""
+    if health.gpu_health is not None:
+        by_uuid = {g.uuid: g for g in health.gpu_health}
+        gpus = []
+        for gpu in node.gpus:
+            report = by_uuid.get(gpu["uuid"])
+            if report is not None:
+                gpu = {**gpu, "healthy": report.healthy, "health_reason": report.reason}
+            gpus.append(gpu)
+        node.gpus = gpus
+    if health.node_fault is not None:
+        if not node.cordoned or node.cordon_reason is not None:
+            node.cordoned, node.cordon_reason = True, health.node_fault
+    elif node.cordon_reason is not None and health.auto_uncordon:
+        node.cordoned, node.cordon_reason = False, None
+
+
+def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None,
+                health: LeaseRequest | None = None) -> LeaseResponse:
     """Renew the current grant, or make a new one (token + 1) when asked or when it lapsed.
 
     A token that is not the current one is stale: 409, nothing changes.
@@ -140,8 +220,11 @@ def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None) ->
             node.lease_expires_at is not None and node.lease_expires_at <= now
         )
         new_grant = fencing_token is None or lapsed
+        if health is not None:
+            _apply_health(node, health)
         if new_grant:
             _grant(node, now, ttl)
+            _announce(session, node.id)
             retry_unschedulable(session)
         else:
             node.lease_expires_at = now + timedelta(seconds=ttl)
@@ -201,6 +284,7 @@ def _node_out(node: NodeModel, gpus_allocated: int) -> NodeOut:
         registered_at=node.registered_at, network_mode=node.network_mode,
         volume_mode=node.volume_mode, access_endpoint=node.access_endpoint,
         capabilities=NodeCapabilities.model_validate(node.capabilities or {}),
+        mig_policy=node.mig_policy or "dynamic", cordon_reason=node.cordon_reason,
     )
 
 
@@ -246,18 +330,52 @@ def set_cordoned(ctx: ServiceContext, caller: Principal, ref: str, cordoned: boo
         return node_out(session, node, _allocated_gpus(session).get(node.id, 0))
 
 
-def expire_leases(ctx: ServiceContext) -> list[str]:
+def lease_health(ctx: ServiceContext) -> tuple[int, int]:
+    """(Ready nodes whose lease lapsed, all Ready nodes): the disruption brake's input."""
+    now = ctx.clock.now()
+    with ctx.db.read() as session:
+        lapsed = session.scalar(select(func.count()).select_from(NodeModel).where(
+            NodeModel.status == NodeStatus.READY.value, NodeModel.lease_expires_at <= now))
+        ready = session.scalar(select(func.count()).select_from(NodeModel).where(
+            NodeModel.status == NodeStatus.READY.value))
+    return int(lapsed or 0), int(ready or 0)
+
+
+def set_mig_policy(ctx: ServiceContext, caller: Principal, ref: str, mode: str) -> NodeOut:
+    """``gpucloud node mig NODE --mode``: how the node's MIG-capable GPUs take MIG pods.
+
+    Switching a GPU's MIG *mode* stays an admin action on the node at drain time (it needs
+    an idle GPU and may reset it); this sets the scheduling policy only.
+    """
+    caller.require_admin()
+    with ctx.db.transaction() as session:
+        node = _find_node(session, ref)
+        if (node.mig_policy or "dynamic") != mode:
+            node.mig_policy = mode
+            node.version += 1
+            node.assignments_revision += 1
+            _announce(session, node.id)
+            retry_unschedulable(session)
+        return node_out(session, node, _allocated_gpus(session).get(node.id, 0))
+
+
+def expire_leases(ctx: ServiceContext, limit: int | None = None) -> list[str]:
     """Mark nodes whose lease lapsed ``Lost``; their pods ``Lost``, requeued per policy.
 
-    Returns the names of the nodes it marked. Guarded by ``version`` so a renewal that
-    lands first wins.
+    Returns the names of the nodes it marked, at most ``limit`` (the longest lapsed
+    first). Guarded by ``version`` so a renewal that lands first wins. The lapsed grant
+    is revoked (fencing token + 1): an agent that was partitioned or paused can neither
+    renew it nor write with it when it comes back; it must take a new grant, and by then
+    its pods have moved on.
     """
     now = ctx.clock.now()
+    if limit is not None and limit <= 0:
+        return []
     with ctx.db.transaction() as session:
         expired = session.execute(
             select(NodeModel.id, NodeModel.name, NodeModel.version).where(
                 NodeModel.status == NodeStatus.READY.value, NodeModel.lease_expires_at <= now
-            )
+            ).order_by(NodeModel.lease_expires_at, NodeModel.id).limit(limit)
         ).all()
     lost = []
     for node_id, name, version in expired:
@@ -267,9 +385,11 @@ def expire_leases(ctx: ServiceContext) -> list[str]:
                 .where(NodeModel.id == node_id, NodeModel.version == version,
                        NodeModel.lease_expires_at <= now)
                 .values(status=NodeStatus.LOST.value, version=NodeModel.version + 1,
+                        fencing_token=NodeModel.fencing_token + 1,
                         assignments_revision=NodeModel.assignments_revision + 1),
             )
             if marked:
+                _announce(session, node_id)
                 _lose_pods(ctx, session, node_id, name, now)
                 lost.append(name)
     return lost

@@ -30,12 +30,14 @@ from gpucloud.core.spec import check_gpus
 from gpucloud.core.spot import priority_class_of
 from gpucloud.db.models import Base, NodeModel, PodEventModel, PodLogChunkModel, PodModel
 from gpucloud.db.session import on_commit
+from gpucloud.gpu.mps import SHARED_FAULT_WARNING
 from gpucloud.scheduler import Explanation
 from gpucloud.services import (
     admission,
     checkpoint_index,
     interval,
     meter,
+    mig,
     migration,
     priorities,
     templates,
@@ -46,7 +48,7 @@ from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.projects import Principal
 from gpucloud.services.proxy import new_proxy_token
-from gpucloud.services.spec import check_spec, spec_columns, spec_out
+from gpucloud.services.spec import check_gpu_memory, check_mig, check_spec, spec_columns, spec_out
 from gpucloud.services.transparent import check_transparent
 
 #: Pending reasons whose message is the answer to ``why``: over quota, or waiting for the
@@ -68,6 +70,8 @@ def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
         finished_at=pod.finished_at, preemptions=pod.preemptions or 0,  # None: not flushed
         last_preemption_reason=pod.last_preemption_reason,
         last_preempted_at=pod.last_preempted_at, time_lost_seconds=pod.time_lost_seconds or 0.0,
+        mig_slot=pod.mig_slot, mig_device=mig.device_out(pod),
+        gpu_sharing_warning=SHARED_FAULT_WARNING if 0 < pod.gpus < 1 else None,
         **spec_out(pod), **_network_out(pod),
     )
 
@@ -86,6 +90,8 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
     """
     request = templates.apply_template(ctx, caller, request)
     check_spec(ctx, caller.project_id, request)
+    check_mig(request, request.gpus)
+    check_gpu_memory(request, request.gpus)
     check_transparent(ctx, request, gpus=request.gpus)
     now = ctx.clock.now()
     priority_class, priority = priorities.resolve_cached(

@@ -17,7 +17,7 @@ from functools import partial
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
-from gpucloud.core.capabilities import CHECKPOINT_TRANSPARENT, CRIU_LABEL
+from gpucloud.core.capabilities import CHECKPOINT_TRANSPARENT
 from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.phases import ACTIVE_PHASE_VALUES, NodeStatus, PodPhase
 from gpucloud.db.models import Base, JobModel, NodeModel, PodModel
@@ -36,7 +36,8 @@ from gpucloud.scheduler.types import FULL_GPU_MILLI, NodeLoad
 from gpucloud.services import backfill, loadaware, migration, quotas, wakeups
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, record_events
-from gpucloud.services.transparent import criu_labels
+from gpucloud.services.mig import MigHeld, mig_held, mig_labels, mig_slots
+from gpucloud.services.transparent import criu_labels, transparent_selector
 
 LOCK_SECONDS = 30.0
 OVER_QUOTA = "OverQuota"
@@ -93,6 +94,8 @@ class LeasedPod:
     #: The node it was just preempted from, avoided until ``avoid_until`` (services/spot).
     avoid_node: str | None = None
     avoid_until: datetime | None = None
+    #: ``--mig PROFILE``: one MIG instance (the scheduler picks the GPU and start slot).
+    mig_profile: str | None = None
 
     def reservation(self, now: datetime) -> tuple[str, dict[str, int]] | None:
         """The node id and GPUs held for this pod by a preemption, while they are."""
@@ -114,7 +117,7 @@ _LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_ty
                    PodModel.checkpoint_mode,
                    select(NodeModel.name).where(NodeModel.id == PodModel.volume_node_id)
                    .scalar_subquery().label("volume_node"), _AVOID_NODE,
-                   PodModel.avoid_until)
+                   PodModel.avoid_until, PodModel.mig_profile)
 
 
 def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
@@ -155,13 +158,14 @@ def _avoiding(pod: LeasedPod, now: datetime) -> LeasedPod:
 
 
 def pod_request(pod: LeasedPod) -> PodRequest:
-    whole = int(pod.gpus) if pod.gpus >= 1 else 0
+    whole = int(pod.gpus) if pod.gpus >= 1 and pod.mig_profile is None else 0
     share = round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0
     return PodRequest(key=pod.id, gpus=whole, gpu_milli=share, gpu_model=pod.gpu_type,
+                      mig_profile=pod.mig_profile,
                       cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes,
                       required_node=pod.volume_node,
                       avoid_nodes=(pod.avoid_node,) if pod.avoid_node else (),
-                      node_selector=({CRIU_LABEL: "true"}
+                      node_selector=(transparent_selector(pod.gpus)
                                      if pod.checkpoint_mode == CHECKPOINT_TRANSPARENT else {}))
 
 
@@ -192,16 +196,21 @@ def _usage(session: Session, now: datetime) -> Usage:
 
 
 def node_state(node: NodeModel, gpu_used: dict[int, int], cpu_used: int,
-               memory_used: int, load: NodeLoad | None = None) -> NodeState:
+               memory_used: int, load: NodeLoad | None = None,
+               mig_held: list[MigHeld] | None = None) -> NodeState:
+    slots = mig_slots(node.gpus, mig_held or [])
     gpus = tuple(
         GpuState(index=g["index"], uuid=g["uuid"], model=g["model"],
                  memory_mib=g["memory_mib"], numa_node=g.get("numa_node", 0),
                  nvlink_peers=tuple(g.get("nvlink_peers", ())),
-                 used_milli=min(1000, gpu_used.get(g["index"], 0)))
+                 used_milli=min(1000, gpu_used.get(g["index"], 0)),
+                 mig_used=slots.get(g["index"], ()))
         for g in node.gpus
+        if g.get("healthy", True)  # a GPU its health checks failed is out (gpu/health)
     )
     return NodeState(name=node.name, cpu_milli=node.cpu_milli, memory_bytes=node.memory_bytes,
-                     gpus=gpus, labels=criu_labels(node), cordoned=node.cordoned,
+                     gpus=gpus, labels=mig_labels(node, criu_labels(node)),
+                     cordoned=node.cordoned,
                      ready=node.status == NodeStatus.READY.value,
                      cpu_used_milli=cpu_used, memory_used_bytes=memory_used, load=load)
 
@@ -211,8 +220,9 @@ def snapshot(ctx: ServiceContext) -> Snapshot:
         nodes = session.scalars(select(NodeModel).order_by(NodeModel.name)).all()
         gpu, cpu, memory = _usage(session, ctx.clock.now())
         loads = loadaware.node_loads(session, ctx.clock.now(), nodes)
+        held = mig_held(session)
     states = [node_state(n, gpu.get(n.id, {}), cpu.get(n.id, 0), memory.get(n.id, 0),
-                         loads.get(n.id)) for n in nodes]
+                         loads.get(n.id), held.get(n.id)) for n in nodes]
     return Snapshot(states, {n.name: n for n in nodes}, (gpu, cpu, memory))
 
 
@@ -392,6 +402,7 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
                    PodModel.deleted_at.is_(None))
             .values(phase=PodPhase.SCHEDULED.value, node_id=node.id,
                     gpu_uuids=[gpu_by_index[int(i)] for i in gpu_milli],
+                    mig_slot=_mig_slot(decision.placement), mig_device=None,
                     gpu_milli=gpu_milli, attempt=PodModel.attempt + 1, log_tail=None,
                     volume_node_id=node.id if pod.volume_bytes is not None else None,
                     reason="Scheduled", message=f"bound to {node.name}", unschedulable=None,
@@ -408,6 +419,11 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
         record_event(session, pod.id, now, "Scheduled", f"bound to {node.name}",
                      PodPhase.PENDING.value, PodPhase.SCHEDULED.value)
     return True
+
+
+def _mig_slot(placement: Placement) -> int | None:
+    """The start slot the scheduler chose for a MIG placement (None: not MIG)."""
+    return next((start for _, start in placement.mig.values()), None)
 
 
 def claim_node(session: Session, node_id: str, version: int) -> bool:

@@ -17,11 +17,12 @@ from sqlalchemy.orm import Session
 
 from gpucloud.core.access import DEFAULT_VOLUME_PATH
 from gpucloud.core.errors import InvalidInput
-from gpucloud.core.gpu_models import lookup
+from gpucloud.core.gpu_models import CATALOG, lookup
 from gpucloud.core.image_ref import DOCKER_HUB, DOCKER_HUB_API, parse_reference
 from gpucloud.core.quantities import format_memory
 from gpucloud.core.spec import ContainerSpec
 from gpucloud.db.models import ContainerSpecColumns, NodeModel, RegistryAuthModel
+from gpucloud.scheduler.mig import MIG_PROFILES, geometry
 from gpucloud.services import volumes
 from gpucloud.services.context import ServiceContext
 
@@ -29,7 +30,8 @@ from gpucloud.services.context import ServiceContext
 SPEC_COLUMNS = ("image", "command", "env", "gpu_type", "cpu_milli", "memory_bytes",
                 "entrypoint", "volume_bytes", "volume_path", "container_disk_bytes",
                 "network_volumes", "registry_auth", "checkpoint_dir", "checkpoint_signal",
-                "checkpoint_mode", "spot", "bid", "grace_seconds")
+                "checkpoint_mode", "spot", "bid", "grace_seconds", "mig_profile",
+                "gpu_memory_bytes")
 
 
 def spec_columns(spec: ContainerSpec) -> dict[str, Any]:
@@ -48,6 +50,7 @@ def spec_columns(spec: ContainerSpec) -> dict[str, Any]:
         "registry_auth": spec.registry_auth, "checkpoint_dir": spec.checkpoint_dir,
         "checkpoint_signal": spec.checkpoint_signal, "checkpoint_mode": spec.checkpoint,
         "spot": spec.spot, "bid": spec.bid, "grace_seconds": spec.grace,
+        "mig_profile": spec.mig, "gpu_memory_bytes": spec.gpu_memory_bytes,
     }
 
 
@@ -83,6 +86,7 @@ def spec_out(row: ContainerSpecColumns) -> dict[str, Any]:
         "checkpoint_dir": row.checkpoint_dir,
         "checkpoint_signal": row.checkpoint_signal, "checkpoint": row.checkpoint_mode,
         "spot": row.spot, "bid": row.bid, "grace": row.grace_seconds,
+        "mig": row.mig_profile, "gpu_memory": row.gpu_memory_bytes,
     }
 
 
@@ -97,6 +101,7 @@ def spec_request(row: ContainerSpecColumns) -> dict[str, Any]:
         "checkpoint_dir": row.checkpoint_dir,
         "checkpoint_signal": row.checkpoint_signal, "checkpoint": row.checkpoint_mode,
         "spot": row.spot, "bid": row.bid, "grace": row.grace_seconds,
+        "mig": row.mig_profile, "gpu_memory": row.gpu_memory_bytes,
     }
     return {key: value for key, value in values.items() if value is not None}
 
@@ -105,12 +110,49 @@ def check_spec(ctx: ServiceContext, project_id: str, spec: ContainerSpec) -> Non
     """What a spec names is known: its GPU model and its registry credentials (422 naming
     the field). Queries only for a model outside the catalog or named credentials."""
     ensure_known_gpu_type(ctx, spec.gpu_type)
+    check_mig(spec)
     if spec.registry_auth is not None:
         with ctx.db.read() as session:
             check_registry_auth(session, project_id, spec)
     if spec.network_volumes:
         with ctx.db.read() as session:
             volumes.check_names(session, project_id, spec.network_volumes)
+
+
+def check_mig(spec: ContainerSpec, gpus: float = 0) -> None:
+    """A MIG profile must be one of the requested model's (422 ``mig``), and a MIG pod
+    takes one instance: no share of a GPU and no more than one GPU beside it."""
+    if spec.mig is None:
+        return
+    if 0 < gpus < 1:
+        raise InvalidInput("mig", "a MIG instance cannot be combined with a GPU share "
+                           "(--gpus below 1); give one or the other")
+    if gpus > 1:
+        raise InvalidInput("mig", "a MIG pod takes one MIG instance; leave --gpus out")
+    if spec.gpu_type is not None and geometry(spec.gpu_type, spec.mig) is None:
+        offered = sorted(MIG_PROFILES.get(spec.gpu_type, {}))
+        have = (f"its profiles are {', '.join(offered)}" if offered
+                else "it has no MIG profiles")
+        raise InvalidInput("mig", f"{spec.gpu_type} has no MIG profile {spec.mig!r}; {have}")
+
+
+def check_gpu_memory(spec: ContainerSpec, gpus: float) -> None:
+    """``gpu_memory`` limits a share of one GPU: only with ``--gpus`` below 1, and no more
+    than the memory of the requested model (of the largest catalog GPU without one)."""
+    limit = spec.gpu_memory_bytes
+    if limit is None:
+        return
+    if not 0 < gpus < 1:
+        raise InvalidInput("gpu_memory", "a GPU memory limit needs a share of a GPU "
+                           "(--gpus below 1, e.g. 0.5)")
+    if spec.mig is not None:
+        raise InvalidInput("gpu_memory", "a MIG instance has its own memory; leave it out")
+    model = lookup(spec.gpu_type) if spec.gpu_type else None
+    most = (model.memory_mib if model else max(m.memory_mib for m in CATALOG)) * 1024**2
+    if limit > most:
+        what = model.name if model else "any GPU model"
+        raise InvalidInput("gpu_memory", f"{format_memory(limit)} is more than the memory of "
+                           f"{what} ({format_memory(most)})")
 
 
 def ensure_known_gpu_type(ctx: ServiceContext, gpu_type: str | None) -> None:

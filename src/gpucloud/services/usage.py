@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, insert, or_, select, tuple_
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import CursorResult, and_, bindparam, func, or_, select, text, tuple_
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from gpucloud.core.errors import Conflict, InvalidInput
@@ -34,16 +35,42 @@ from gpucloud.core.usage import (
 )
 from gpucloud.db.models import Base, NodeModel, PodModel, PodRunModel, UsageSampleModel
 from gpucloud.services.context import ServiceContext
-from gpucloud.services.fencing import check_fencing
+from gpucloud.services.fencing import check_token
 
 #: node_load: samples older than this are not read; their weight halves every half-life.
 LOAD_WINDOW_SECONDS = 180.0
 LOAD_HALF_LIFE_SECONDS = 30.0
 _KEYS_PER_QUERY = 400
+#: SQLite's default limit is 32,766 bound variables per statement; 15 a row.
+_SQLITE_ROWS = 2000
 _SAMPLES = Base.metadata.tables[UsageSampleModel.__tablename__]
 
 
 # -- ingest ----------------------------------------------------------------------------
+#
+# The hot path: ~20,000 samples/s from 1,000 pods. Per batch, one fencing read, one query
+# validating every (pod, attempt) of the batch, and one INSERT … ON CONFLICT DO NOTHING
+# carrying the whole batch (on PostgreSQL as column arrays through ``unnest``: one
+# statement, 15 parameters, however many samples); no ORM objects, no per-sample
+# statement.
+
+_COLUMNS = ("node_id", "pod_id", "attempt", "seq", "time", "cpu_seconds", "memory_bytes",
+            "memory_peak_bytes", "gpu_util_percent", "gpu_memory_bytes", "gpus",
+            "net_rx_bytes", "net_tx_bytes", "disk_bytes", "received_at")
+_PG_TYPES = ("varchar", "varchar", "integer", "bigint", "timestamptz", "float8", "bigint",
+             "bigint", "float8", "bigint", "json", "bigint", "bigint", "bigint",
+             "timestamptz")
+_PG_INSERT = text(
+    f"INSERT INTO usage_samples ({', '.join(_COLUMNS)}) "
+    "SELECT CAST(:node_id AS varchar), s.*, CAST(:received_at AS timestamptz) FROM unnest("
+    + ", ".join(f"CAST(:{c} AS {t}[])" for c, t in zip(_COLUMNS[1:-1], _PG_TYPES[1:-1],
+                                                      strict=True))
+    + ") AS s ON CONFLICT DO NOTHING")
+_BELONGS = text(
+    "SELECT id, attempt FROM pods WHERE node_id = :node_id AND id IN :pod_ids "
+    "UNION SELECT pod_id, attempt FROM pod_runs WHERE node_id = :node_id "
+    "AND pod_id IN :pod_ids").bindparams(bindparam("pod_ids", expanding=True))
+_NO_GPUS = "[]"
 
 
 def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest) -> AgentUsageBatchOut:
@@ -52,9 +79,11 @@ def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest) -> 
     samples = _unique(batch.samples)
     _check_times(batch.samples, now)
     with ctx.db.transaction() as session:
-        node = session.get_one(NodeModel, node_id)
-        check_fencing(node, batch.fencing_token)
-        _check_belongs(session, node, {(s.pod_id, s.attempt) for s in samples})
+        name, token = session.execute(
+            select(NodeModel.name, NodeModel.fencing_token).where(NodeModel.id == node_id)
+        ).one()
+        check_token(token, batch.fencing_token)
+        _check_belongs(session, node_id, str(name), {(s.pod_id, s.attempt) for s in samples})
         accepted = _insert(session, node_id, samples, now)
     return AgentUsageBatchOut(accepted=accepted, duplicates=len(batch.samples) - accepted)
 
@@ -79,55 +108,81 @@ def _check_times(samples: Sequence[UsageSample], now: datetime) -> None:
                 f"of the server's clock ({now.isoformat()}); is the node's clock right?")
 
 
-def _check_belongs(session: Session, node: NodeModel, keys: set[tuple[str, int]]) -> None:
-    """Conflict naming the first (pod, attempt) that was never on this node."""
+def _check_belongs(session: Session, node_id: str, node_name: str,
+                   keys: set[tuple[str, int]]) -> None:
+    """Conflict naming the first (pod, attempt) that was never on this node: the pod is
+    bound there on that attempt, or the meter has that attempt's run there (one query)."""
     if not keys:
         return
     pod_ids = sorted({pod_id for pod_id, _ in keys})
     known: set[tuple[str, int]] = set()
     for chunk in _chunks(pod_ids):
         known.update((str(p), int(a)) for p, a in session.execute(
-            select(PodModel.id, PodModel.attempt)
-            .where(PodModel.id.in_(chunk), PodModel.node_id == node.id)))
-        known.update((str(p), int(a)) for p, a in session.execute(
-            select(PodRunModel.pod_id, PodRunModel.attempt)
-            .where(PodRunModel.pod_id.in_(chunk), PodRunModel.node_id == node.id)))
+            _BELONGS, {"node_id": node_id, "pod_ids": list(chunk)}))
     for pod_id, attempt in sorted(keys - known):
-        raise Conflict(f"pod {pod_id!r} attempt {attempt} is not on node {node.name!r}; "
+        raise Conflict(f"pod {pod_id!r} attempt {attempt} is not on node {node_name!r}; "
                        "its samples are refused")
 
 
-def _row(node_id: str, sample: UsageSample, now: datetime) -> dict[str, Any]:
+def _gpu_figures(sample: UsageSample) -> tuple[float | None, int | None, str]:
+    """Mean utilisation, summed memory (None: not measured) and the per-GPU JSON."""
+    if not sample.gpus:
+        return None, None, _NO_GPUS
     utils = [g.util_percent for g in sample.gpus if g.util_percent is not None]
     memory = [g.memory_used_bytes for g in sample.gpus if g.memory_used_bytes is not None]
-    return {
-        "node_id": node_id, "pod_id": sample.pod_id, "attempt": sample.attempt,
-        "seq": sample.seq, "time": sample.time, "cpu_seconds": sample.cpu_seconds,
-        "memory_bytes": sample.memory_bytes, "memory_peak_bytes": sample.memory_peak_bytes,
-        "gpu_util_percent": sum(utils) / len(utils) if utils else None,
-        "gpu_memory_bytes": sum(memory) if memory else None,
-        "gpus": [g.model_dump() for g in sample.gpus],
-        "net_rx_bytes": sample.net_rx_bytes, "net_tx_bytes": sample.net_tx_bytes,
-        "disk_bytes": sample.disk_bytes, "received_at": now,
-    }
+    return (sum(utils) / len(utils) if utils else None, sum(memory) if memory else None,
+            json.dumps([g.model_dump() for g in sample.gpus]))
+
+
+def _columns(samples: list[UsageSample]) -> dict[str, list[Any]]:
+    """The batch as one list per column (``node_id`` and ``received_at`` are constant)."""
+    columns: dict[str, list[Any]] = {c: [] for c in _COLUMNS[1:-1]}
+    for sample in samples:
+        util, memory, gpus = _gpu_figures(sample)
+        columns["pod_id"].append(sample.pod_id)
+        columns["attempt"].append(sample.attempt)
+        columns["seq"].append(sample.seq)
+        columns["time"].append(sample.time)
+        columns["cpu_seconds"].append(sample.cpu_seconds)
+        columns["memory_bytes"].append(sample.memory_bytes)
+        columns["memory_peak_bytes"].append(sample.memory_peak_bytes)
+        columns["gpu_util_percent"].append(util)
+        columns["gpu_memory_bytes"].append(memory)
+        columns["gpus"].append(gpus)
+        columns["net_rx_bytes"].append(sample.net_rx_bytes)
+        columns["net_tx_bytes"].append(sample.net_tx_bytes)
+        columns["disk_bytes"].append(sample.disk_bytes)
+    return columns
 
 
 def _insert(session: Session, node_id: str, samples: list[UsageSample], now: datetime) -> int:
-    """INSERT … ON CONFLICT DO NOTHING; returns how many rows were new."""
+    """One INSERT … ON CONFLICT DO NOTHING for the batch; returns how many rows were new."""
     if not samples:
         return 0
-    table = _SAMPLES
-    dialect = session.get_bind().dialect.name
-    statement: Any
-    if dialect == "postgresql":
-        statement = postgresql.insert(table).on_conflict_do_nothing()
-    elif dialect == "sqlite":
-        statement = sqlite.insert(table).on_conflict_do_nothing()
-    else:  # pragma: no cover - the two supported databases are above
-        statement = insert(table)
-    rows = [_row(node_id, sample, now) for sample in samples]
-    stored = session.execute(statement.returning(table.c.seq), rows).all()
-    return len(stored)
+    columns = _columns(samples)
+    if session.get_bind().dialect.name == "postgresql":
+        result = session.execute(_PG_INSERT, {"node_id": node_id, "received_at": now,
+                                              **columns})
+        assert isinstance(result, CursorResult)
+        return int(result.rowcount)
+    return _insert_sqlite(session, node_id, columns, now)
+
+
+def _insert_sqlite(session: Session, node_id: str, columns: dict[str, list[Any]],
+                   now: datetime) -> int:
+    """SQLite (the embedded default, one node's worth of samples): multi-row VALUES."""
+    rows = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(),
+                                                                      strict=True)]
+    for row in rows:
+        row["node_id"], row["received_at"] = node_id, now
+        row["gpus"] = json.loads(row["gpus"])
+    stored = 0
+    for start in range(0, len(rows), _SQLITE_ROWS):
+        statement = sqlite.insert(_SAMPLES).values(rows[start:start + _SQLITE_ROWS])
+        result = session.execute(statement.on_conflict_do_nothing())
+        assert isinstance(result, CursorResult)
+        stored += int(result.rowcount)
+    return stored
 
 
 def _chunks(items: Sequence[Any]) -> Iterable[Sequence[Any]]:

@@ -2,9 +2,10 @@
 transaction in this process that changed its node's assignments commits.
 
 The durable signal stays the node's ``assignments_revision`` column, which the long poll
-still re-reads on a short period; that is what reaches an agent polling another server
-replica. The wake-up only removes the polling delay when the change and the poll meet in
-one process (a single server, or the leader's own agents). Keys are node ids.
+still re-reads every few seconds (``api/routers/agent.POLL_SECONDS``) as the fallback. A
+change committed on another server replica arrives here too, as a hint: ``notify`` also
+publishes it, and that replica's ``LISTEN/NOTIFY`` bridge (services/notify.py) calls
+``notify_local``. Keys are node ids.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 
@@ -20,6 +21,8 @@ class Wakeups:
     """Waiters per key, each an ``asyncio.Event`` set (thread-safely) by ``notify``."""
 
     def __init__(self) -> None:
+        #: Also tells the other replicas (services/notify.py sets it on PostgreSQL).
+        self.publisher: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = (
             defaultdict(set))
@@ -42,12 +45,25 @@ class Wakeups:
                         del self._waiters[key]
 
     def notify(self, key: str) -> None:
-        """Wake every current listener of ``key``; callable from any thread."""
+        """Wake every current listener of ``key``, here and (a hint) on other replicas;
+        callable from any thread."""
+        self.notify_local(key)
+        publisher = self.publisher
+        if publisher is not None:
+            publisher(key)
+
+    def notify_local(self, key: str) -> None:
+        """Wake the listeners of ``key`` in this process only."""
         with self._lock:
             waiters = list(self._waiters.get(key, ()))
         for loop, woken in waiters:
             with suppress(RuntimeError):  # the listener's loop has closed: nothing to wake
                 loop.call_soon_threadsafe(woken.set)
+
+    def keys(self) -> list[str]:
+        """The keys someone listens on now."""
+        with self._lock:
+            return list(self._waiters)
 
     def listeners(self, key: str) -> int:
         with self._lock:

@@ -1,7 +1,8 @@
 """Loading the Alibaba "openb" trace (ATC '23 FGD paper) into scheduler snapshot types.
 
-Data is read in place from the shared data folder: ``$GPUCLOUD_SHARED_DATA`` or, by
-default, ``../shared/data`` next to the repository.
+Each trace (a dataset folder) is read in place from the first of: ``$GPUCLOUD_SHARED_DATA``,
+``../shared/data`` next to the repository, ``$GPUCLOUD_HOME/data`` (where
+``gpucloud sim data fetch`` puts the traces it downloads from upstream).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpucloud.core.errors import InvalidInput, NotFound
+from gpucloud.core.settings import gpucloud_home
 from gpucloud.scheduler.types import FULL_GPU_MILLI, GpuState, NodeState, PodRequest
 
 MIB = 1024 * 1024
@@ -19,16 +21,48 @@ TRACE_DIR = "alibaba-gpu-2023"
 NODES_FILE = "openb_node_list_gpu_node.csv"
 
 
-def shared_data_dir() -> Path:
-    """The shared data folder (``GPUCLOUD_SHARED_DATA`` overrides the default)."""
+FETCH_COMMAND = "gpucloud sim data fetch"
+
+
+class MissingData(NotFound):
+    """A trace is in none of the data folders; the message names the fetch command."""
+
+
+def data_roots() -> list[Path]:
+    """Where traces are looked for, in order (see the module's docstring)."""
+    roots = []
     override = os.environ.get("GPUCLOUD_SHARED_DATA")
     if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[3].parent / "shared" / "data"
+        roots.append(Path(override))
+    roots.append(Path(__file__).resolve().parents[3].parent / "shared" / "data")
+    roots.append(fetched_data_dir())
+    return roots
+
+
+def fetched_data_dir() -> Path:
+    """Where ``gpucloud sim data fetch`` downloads to."""
+    return gpucloud_home() / "data"
+
+
+def dataset_dir(name: str) -> Path:
+    """The folder of dataset ``name`` in the first data root that has it."""
+    roots = data_roots()
+    for root in roots:
+        if (root / name).is_dir():
+            return root / name
+    looked = ", ".join(str(root) for root in roots)
+    raise MissingData(f"trace {name!r} is missing (looked in {looked}); "
+                      f"download it with `{FETCH_COMMAND} {name}`")
+
+
+def shared_data_dir() -> Path:
+    """The first data root that exists (the fetch folder when none does)."""
+    roots = data_roots()
+    return next((root for root in roots if root.is_dir()), roots[-1])
 
 
 def trace_dir() -> Path:
-    return shared_data_dir() / TRACE_DIR
+    return dataset_dir(TRACE_DIR)
 
 
 @dataclass(frozen=True)

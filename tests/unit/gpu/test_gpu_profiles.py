@@ -76,6 +76,8 @@ def test_hardware_serializes_to_json_and_back() -> None:
     assert hardware.gpus[1].inventory() == {
         "uuid": hardware.gpus[1].uuid, "model": "L40S", "memory_mib": 46_068, "numa_node": 0,
         "nvlink_peers": [], "index": 1, "pci_bus_id": "0000:42:00.0", "mig_mode": False,
+        "mig_capable": False,
+        "pcie_switch": 0, "iommu_group": None,
     }
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from functools import partial
 
+import anyio
+import anyio.to_thread
 from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from gpucloud.api.deps import Ctx, NodeId
+from gpucloud.api.deps import Ctx, NodeId, NodeToken
 from gpucloud.core.jobs import AgentPodReadyRequest
 from gpucloud.core.models import (
     AgentLogChunkRequest,
@@ -29,12 +32,14 @@ from gpucloud.services import (
     metrics,
     nodes,
     ratelimit,
+    revision_watch,
     usage,
     wakeups,
 )
 
 router = APIRouter(prefix="/v1/agent", tags=["agent"])
-POLL_SECONDS = 0.25
+#: The period of the long polls' batched fallback re-read; wake-ups end a poll sooner.
+POLL_SECONDS = 2.0
 
 
 def _wake(request: Request) -> None:
@@ -55,8 +60,13 @@ def register(body: NodeRegisterRequest, ctx: Ctx, request: Request) -> NodeRegis
 
 
 @router.post("/lease")
-def lease(body: LeaseRequest, ctx: Ctx, node_id: NodeId) -> LeaseResponse:
-    response = nodes.renew_lease(ctx, node_id, body.fencing_token)
+def lease(body: LeaseRequest, ctx: Ctx, credential: NodeToken) -> LeaseResponse:
+    """One statement while the grant is current (``nodes.renew_current``: the token
+    checked inside it); the full path for a new grant, a stale token, health news."""
+    response = nodes.renew_current(ctx, credential.token, body) if credential.token else None
+    if response is None:
+        response = nodes.renew_lease(ctx, credential.authenticate(ctx), body.fencing_token,
+                                     body)
     metrics.LEASES_RENEWED.inc()
     return response
 
@@ -67,9 +77,10 @@ async def assignments(ctx: Ctx, node_id: NodeId,
                       revision: int | None = Query(default=None)) -> AssignmentsOut:
     """Long poll: returns once the node's revision differs from ``revision``, or at ``wait``.
 
-    A change committed in this process wakes the poll at once (``wakeups``); the revision,
-    a single integer column re-read every ``POLL_SECONDS`` (one cheap query), carries
-    changes made by other server replicas.
+    A change committed in this process wakes the poll at once (``wakeups``), and so does
+    one committed on another replica (its ``LISTEN/NOTIFY`` hint, services/notify.py);
+    the fallback for a lost hint is one query per process every ``POLL_SECONDS`` that
+    reads the revisions of all waiting nodes at once (services/revision_watch.py).
     """
     deadline = time.monotonic() + wait
     while revision is not None and time.monotonic() < deadline:
@@ -77,7 +88,8 @@ async def assignments(ctx: Ctx, node_id: NodeId,
             current = await run_in_threadpool(agent.assignments_revision, ctx, node_id)
             if current != revision:
                 break
-            await wakeups.wait(woken, min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            revision_watch.watcher(ctx, lambda: POLL_SECONDS)
+            await wakeups.wait(woken, max(0.0, deadline - time.monotonic()))
     return await run_in_threadpool(agent.assignments, ctx, node_id)
 
 
@@ -109,6 +121,25 @@ def pod_logs(pod_id: str, body: AgentLogChunkRequest, ctx: Ctx,
     409: {"model": ErrorOut, "description": "A stale fencing token, or a pod attempt that "
                                             "was never on this node: nothing is stored"},
     422: {"model": ErrorOut, "description": "A sample far in the future, or malformed"}})
-def post_usage(body: AgentUsageBatchRequest, ctx: Ctx, node_id: NodeId) -> AgentUsageBatchOut:
-    """Usage samples, cumulative per (pod, attempt, seq): a resent batch stores nothing."""
-    return usage.ingest(ctx, node_id, body)
+async def post_usage(body: AgentUsageBatchRequest, ctx: Ctx,
+                     node_id: NodeId) -> AgentUsageBatchOut:
+    """Usage samples, cumulative per (pod, attempt, seq): a resent batch stores nothing.
+
+    Ingest runs on its own few threads (``_ingest_limiter``), not the request thread pool:
+    a flood of batches from 1,000 pods queues here instead of taking every thread that
+    pod creates and the other agent calls need."""
+    return await anyio.to_thread.run_sync(usage.ingest, ctx, node_id, body,
+                                          limiter=_ingest_limiter())
+
+
+_INGEST_THREADS = 2
+_LIMITERS: dict[int, anyio.CapacityLimiter] = {}
+
+
+def _ingest_limiter() -> anyio.CapacityLimiter:
+    """One limiter per event loop (a limiter belongs to the loop it was made in)."""
+    loop = id(asyncio.get_running_loop())
+    limiter = _LIMITERS.get(loop)
+    if limiter is None:
+        limiter = _LIMITERS[loop] = anyio.CapacityLimiter(_INGEST_THREADS)
+    return limiter

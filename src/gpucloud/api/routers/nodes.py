@@ -5,7 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from gpucloud.api.deps import Admin, Caller, Ctx
-from gpucloud.core.models import JoinTokenInfoOut, JoinTokenOut, JoinTokenRequest, NodeOut
+from gpucloud.core.models import (
+    JoinTokenInfoOut,
+    JoinTokenOut,
+    JoinTokenRequest,
+    NodeMigRequest,
+    NodeOut,
+)
 from gpucloud.core.spot import NodeDrainRequest
 from gpucloud.services import drain, join_tokens, nodes
 
@@ -49,6 +55,18 @@ def cordon(ref: str, ctx: Ctx, caller: Admin) -> NodeOut:
 @router.post("/{ref}/uncordon")
 def uncordon(ref: str, ctx: Ctx, caller: Admin, request: Request) -> NodeOut:
     node = nodes.set_cordoned(ctx, caller, ref, False)
+    runner = getattr(request.app.state, "controllers", None)
+    if runner is not None:
+        runner.wake()
+    return node
+
+
+@router.post("/{ref}/mig")
+def set_mig_policy(ref: str, body: NodeMigRequest, ctx: Ctx, caller: Admin,
+                   request: Request) -> NodeOut:
+    """The node's MIG policy: ``dynamic`` (instances made as pods are placed), ``fixed``
+    (only the instances it has), ``off`` (no MIG pods)."""
+    node = nodes.set_mig_policy(ctx, caller, ref, body.mode)
     runner = getattr(request.app.state, "controllers", None)
     if runner is not None:
         runner.wake()

@@ -8,6 +8,12 @@ seeded from modification times at start). A full disk never corrupts anything: t
 evicts and tries once more, and if that fails too the chunk is simply not cached (the
 reader still gets its verified bytes).
 
+Trust: a chunk file is written only after its bytes hashed to its name, and only by an
+atomic rename, so reads from the cache do not hash again (``read`` serves slices of it
+with ``os.pread`` on descriptors kept open, ``_FdPool``): the files are root-only and
+nothing but this cache writes them. Re-verifying every read would cost a sha256 of 4 MiB
+per 128 KiB page-in (cached sequential reads ran at 262 MB/s that way).
+
 Layout: ``<root>/sha256/<hex>`` chunks, ``<root>/tmp/`` partial writes, ``<root>/toc/<hex>``
 verified TOCs (by TOC digest) so a restarted daemon can mount without the registry.
 """
@@ -27,6 +33,85 @@ from gpucloud.images.store import digest_hex
 
 log = logging.getLogger(__name__)
 
+OPEN_FILES = 256
+
+
+class _Fd:
+    """One open chunk file; closed when evicted from the pool and no reader uses it."""
+
+    __slots__ = ("fd", "users", "retired")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.retired = False
+
+
+class _FdPool:
+    """Open read-only descriptors of chunk files, LRU-bounded to ``limit``.
+
+    Reference counts make closing safe: a descriptor dropped from the pool (or of an evicted
+    chunk) is closed only once its last ``pread`` is done, so a reused fd number can never
+    be read as another chunk."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._open: OrderedDict[str, _Fd] = OrderedDict()
+
+    def pread(self, digest: str, path: Path, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of the chunk file (``FileNotFoundError`` if gone)."""
+        handle = self._acquire(digest, path)
+        try:
+            return os.pread(handle.fd, size, offset)
+        finally:
+            self._release(handle)
+
+    def close(self) -> None:
+        """Close every descriptor (once its readers are done)."""
+        with self._lock:
+            handles = list(self._open.values())
+            self._open.clear()
+            for handle in handles:
+                self._retire(handle)
+
+    def forget(self, digest: str) -> None:
+        """The chunk was evicted: close its descriptor once unused."""
+        with self._lock:
+            handle = self._open.pop(digest, None)
+            if handle is not None:
+                self._retire(handle)
+
+    def _acquire(self, digest: str, path: Path) -> _Fd:
+        with self._lock:
+            handle = self._open.get(digest)
+            if handle is not None:
+                self._open.move_to_end(digest)
+                handle.users += 1
+                return handle
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        with self._lock:
+            handle = self._open.get(digest)
+            if handle is not None:  # another reader opened it meanwhile
+                os.close(fd)
+            else:
+                handle = self._open[digest] = _Fd(fd)
+                while len(self._open) > self._limit:
+                    self._retire(self._open.popitem(last=False)[1])
+            handle.users += 1
+            return handle
+
+    def _release(self, handle: _Fd) -> None:
+        with self._lock:
+            handle.users -= 1
+            if handle.retired and handle.users == 0:
+                os.close(handle.fd)
+
+    def _retire(self, handle: _Fd) -> None:
+        handle.retired = True
+        if handle.users == 0:
+            os.close(handle.fd)
+
 
 class ChunkCache:
     """Content-addressed chunk store with an LRU size limit (``limit`` bytes)."""
@@ -41,6 +126,8 @@ class ChunkCache:
             path.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+        self._fds = _FdPool(OPEN_FILES)
         self.evictions = 0
         self.insert_failures = 0
         self._scan()
@@ -49,7 +136,11 @@ class ChunkCache:
     def used(self) -> int:
         """Bytes of chunks held now."""
         with self._lock:
-            return sum(self._lru.values())
+            return self._used
+
+    def close(self) -> None:
+        """Close the open chunk files (the cache stays usable: they reopen on demand)."""
+        self._fds.close()
 
     def has(self, digest: str) -> bool:
         """True when the chunk is cached."""
@@ -58,16 +149,27 @@ class ChunkCache:
 
     def get(self, digest: str) -> bytes | None:
         """The chunk's bytes (and it becomes most recently used), or None."""
-        try:
-            data = (self._chunks / digest_hex(digest)).read_bytes()
-        except FileNotFoundError:
-            with self._lock:
-                self._lru.pop(digest, None)
-            return None
         with self._lock:
-            if digest in self._lru:
-                self._lru.move_to_end(digest)
-        return data
+            size = self._lru.get(digest)
+        return None if size is None else self.read(digest, 0, size)
+
+    def read(self, digest: str, offset: int, size: int) -> bytes | None:
+        """``size`` bytes at ``offset`` of a cached chunk (trusted: verified on insert), or
+        None when it is not cached; it becomes most recently used."""
+        with self._lock:
+            if digest not in self._lru:
+                return None
+            self._lru.move_to_end(digest)
+        try:
+            return self._fds.pread(digest, self._chunks / digest_hex(digest), offset, size)
+        except FileNotFoundError:
+            self._drop(digest)
+            return None
+
+    def _drop(self, digest: str) -> None:
+        with self._lock:
+            self._used -= self._lru.pop(digest, 0)
+        self._fds.forget(digest)
 
     def put(self, digest: str, data: bytes) -> bool:
         """Insert a chunk after checking its digest; True when it is now cached.
@@ -93,9 +195,14 @@ class ChunkCache:
                 log.warning("chunk cache: disk full, %s not cached", digest)
                 return False
             return self._retry_write(digest, data)
-        with self._lock:
-            self._lru[digest] = len(data)
+        self._filed(digest, len(data))
         return True
+
+    def _filed(self, digest: str, size: int) -> None:
+        with self._lock:
+            if digest not in self._lru:
+                self._used += size
+            self._lru[digest] = size
 
     def put_toc(self, toc_digest: str, data: bytes, toc_offset: int) -> None:
         """Keep a verified TOC (checked by the caller against the layer annotation) and
@@ -123,8 +230,7 @@ class ChunkCache:
             self.insert_failures += 1
             log.warning("chunk cache: disk full after eviction, %s not cached", digest)
             return False
-        with self._lock:
-            self._lru[digest] = len(data)
+        self._filed(digest, len(data))
         return True
 
     def _make_room(self, size: int) -> None:
@@ -136,8 +242,10 @@ class ChunkCache:
         with self._lock:
             if not self._lru:
                 return False
-            digest, _ = self._lru.popitem(last=False)
+            digest, size = self._lru.popitem(last=False)
+            self._used -= size
             self.evictions += 1
+        self._fds.forget(digest)
         (self._chunks / digest_hex(digest)).unlink(missing_ok=True)
         return True
 
@@ -161,3 +269,4 @@ class ChunkCache:
             found.append((stat.st_mtime, "sha256:" + path.name, stat.st_size))
         for _, digest, size in sorted(found):
             self._lru[digest] = size
+            self._used += size

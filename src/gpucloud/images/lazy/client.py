@@ -75,7 +75,8 @@ class LazyfsClient:
         reply = self.request({"op": "local", "digest": digest, "toc_digest": toc_digest})
         return None if reply["local"] is None else (int(reply["local"]), int(reply["total"]))
 
-    def events(self) -> list[dict[str, str]]:
+    def events(self) -> list[dict[str, Any]]:
+        """Queued events: {reason, message, holders} (holders: the bundles of the layer)."""
         return list(self.request({"op": "events"})["events"])
 
     def shutdown(self) -> None:

@@ -49,7 +49,7 @@ from gpucloud.images.client import is_loopback
 from gpucloud.images.errors import ImageError
 from gpucloud.images.lazy.cache import ChunkCache
 from gpucloud.images.lazy.fetch import RangeFetcher, RangeUnsupported
-from gpucloud.images.lazy.fs import serve
+from gpucloud.images.lazy.fs import raise_readahead, serve
 from gpucloud.images.lazy.layer import LazyLayer, check_toc_offsets, read_toc
 from gpucloud.images.lazy.toc import Toc, parse_toc
 from gpucloud.images.rootfs import unmount
@@ -101,7 +101,7 @@ class LazyfsDaemon:
         self._read_deadline = read_deadline
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mounted] = {}
-        self._events: list[dict[str, str]] = []
+        self._events: list[dict[str, Any]] = []
         self._storage = httpx.Client(timeout=httpx.Timeout(read_deadline, connect=10.0))
         self._registries: dict[tuple[str, str, str], httpx.Client] = {}
 
@@ -127,6 +127,7 @@ class LazyfsDaemon:
         with self._lock:
             for digest in list(self._mounts):
                 self._unmount(digest)
+        self.cache.close()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -175,14 +176,17 @@ class LazyfsDaemon:
         layer = LazyLayer(digest, toc, None, self.cache, self.event)
         return layer.local_bytes()
 
-    def event(self, reason: str, message: str) -> None:
-        """Queue an event for the agent (and log it)."""
+    def event(self, reason: str, message: str, digest: str = "") -> None:
+        """Queue an event for the agent (and log it), with the holders (pod bundles) of
+        layer ``digest`` so the agent can put it on those pods' events."""
         log.warning("lazyfs: %s: %s", reason, message)
         with self._lock:
-            self._events.append({"reason": reason, "message": message})
+            mounted = self._mounts.get(digest)
+            holders = list(mounted.spec.holders) if mounted is not None else []
+            self._events.append({"reason": reason, "message": message, "holders": holders})
             del self._events[:-_MAX_EVENTS]
 
-    def take_events(self) -> list[dict[str, str]]:
+    def take_events(self) -> list[dict[str, Any]]:
         with self._lock:
             events, self._events = self._events, []
         return events
@@ -192,13 +196,15 @@ class LazyfsDaemon:
     def _mount(self, spec: LayerSpec, credentials: Credentials | None) -> _Mounted:
         fetcher = self._fetcher(spec, credentials)
         toc = self._toc(spec, fetcher)
-        layer = LazyLayer(spec.digest, toc, fetcher, self.cache, self.event)
+        layer = LazyLayer(spec.digest, toc, fetcher, self.cache,
+                          lambda reason, message: self.event(reason, message, spec.digest))
         path = self.mnt / digest_hex(spec.digest)
         path.mkdir(parents=True, exist_ok=True)
         thread = threading.Thread(target=self._serve, args=(layer, path), daemon=True,
                                   name=f"fuse-{digest_hex(spec.digest)[:12]}")
         thread.start()
         _wait_mounted(path, thread)
+        raise_readahead(str(path))
         stop = threading.Event()
         threading.Thread(target=layer.prefetch, args=(stop,), daemon=True,
                          name=f"prefetch-{digest_hex(spec.digest)[:12]}").start()

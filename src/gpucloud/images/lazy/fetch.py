@@ -32,7 +32,6 @@ from gpucloud.images.errors import ImageError, RegistryUnauthorized, RegistryUna
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
-_MAX_REDIRECTS = 5
 _MAX_RETRY_AFTER = 5.0
 
 
@@ -179,23 +178,25 @@ class RangeFetcher:
         return _Response(response)
 
     def _location(self) -> str:
-        """The blob's storage URL: the registry's redirect target, cached until a 403."""
+        """The blob's storage URL: the registry's redirect target, cached until a 403.
+
+        Only the registry is asked (HEAD); the target itself is not probed, because a
+        presigned URL is signed for GET alone (S3 answers a HEAD with 403). Further hops
+        at the storage side are followed by the GET (its client carries no auth)."""
         with self._lock:
             if self._resolved is not None:
                 return self._resolved
+        request = self._registry.build_request("HEAD", self.url)
+        try:
+            response = self._registry.send(request)
+        except httpx.TransportError as exc:
+            raise _Retryable(f"cannot reach {request.url.netloc.decode()}: {exc}") from exc
+        response.close()
         url = self.url
-        for _ in range(_MAX_REDIRECTS):
-            client = self._registry if url == self.url else self._storage
-            request = client.build_request("HEAD", url)
-            try:
-                response = client.send(request)
-            except httpx.TransportError as exc:
-                raise _Retryable(f"cannot reach {request.url.netloc.decode()}: {exc}") from exc
-            response.close()
-            if response.status_code not in _REDIRECTS:
-                self._check(response)
-                break
+        if response.status_code in _REDIRECTS and "Location" in response.headers:
             url = str(response.url.join(response.headers["Location"]))
+        else:
+            self._check(response)
         with self._lock:
             self._resolved = url
         return url
@@ -203,7 +204,7 @@ class RangeFetcher:
     def _open(self, client: httpx.Client, url: str, headers: dict[str, str]) -> httpx.Response:
         request = client.build_request("GET", url, headers=headers)
         try:
-            return client.send(request, stream=True)
+            return client.send(request, stream=True, follow_redirects=client is self._storage)
         except httpx.TransportError as exc:
             raise _Retryable(f"cannot reach {request.url.netloc.decode()}: {exc}") from exc
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import errno
 import logging
+import os
 import stat
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +137,7 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
     def __init__(self, layer: LazyLayer) -> None:
         self.layer = layer
         self.nodes = build_tree(layer.toc)
+        self._by_ino = {node.ino: node for node in self.nodes.values()}
 
     def _node(self, path: str) -> Node:
         node = self.nodes.get(path.strip("/"))
@@ -178,8 +180,8 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
             raise mfusepy.FuseOSError(errno.EROFS)
         return node.ino
 
-    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:  # noqa: ARG002 - mfusepy's signature
-        node = self._node(path)
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        node = self._by_ino.get(fh) or self._node(path)
         if node.kind != "reg":
             raise mfusepy.FuseOSError(errno.EISDIR)
         if offset >= node.size:
@@ -222,6 +224,26 @@ MOUNT_OPTIONS: dict[str, object] = {
     "fsname": "gpucloud-lazy",
     "subtype": "estargz",
 }
+
+
+READAHEAD_KB = 4096
+"""The mount's readahead window. The kernel caps a FUSE mount's readahead at the default
+128 KiB whatever ``max_readahead`` the daemon answers in INIT; raised through the mount's
+BDI in sysfs, sequential reads reach the daemon as 1 MiB requests (libfuse 3.14 asks for
+``max_pages`` 256) instead of 128 KiB ones: 8 times fewer Python round trips."""
+
+
+def raise_readahead(mountpoint: str, kb: int = READAHEAD_KB) -> bool:
+    """Set ``read_ahead_kb`` of the FUSE mount at ``mountpoint``; False where sysfs refuses."""
+    dev = os.stat(mountpoint).st_dev
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as knob:
+            knob.write(str(kb))
+    except OSError as exc:
+        log.info("cannot raise readahead of %s (%s): %s", mountpoint, path, exc)
+        return False
+    return True
 
 
 def serve(layer: LazyLayer, mountpoint: str) -> None:

@@ -59,7 +59,14 @@ class LazyMounter:
         self._credentials = dict(credentials)
         self._insecure = frozenset(insecure)
         self._lock = threading.Lock()
-        self._events: list[tuple[str, str]] = []
+        self._events: dict[str, list[tuple[str, str]]] = {}
+        self._pod_credentials: dict[str, Credentials] = {}
+
+    def use_credentials(self, bundle: Path, credentials: Credentials) -> None:
+        """The pod at ``bundle`` pulls with its own registry login: its lazy mounts (and
+        their fallback downloads) use it in place of the node's, until ``release``."""
+        with self._lock:
+            self._pod_credentials[str(bundle)] = credentials
 
     def skips_download(self, layer: Descriptor) -> bool:
         """Whether a pull leaves this layer's blob to the lazy mount."""
@@ -71,20 +78,25 @@ class LazyMounter:
         if not is_lazy_candidate(layer) or self._blobs.has(layer.digest):
             return None
         ref = parse_reference(image.reference)
+        with self._lock:
+            own = self._pod_credentials.get(str(bundle))
         try:
             return self.client.mount(
                 digest=layer.digest, registry=ref.api_registry, repository=ref.repository,
                 size=layer.size, toc_digest=layer.annotations[TOC_DIGEST_ANNOTATION],
                 holder=str(bundle), insecure=ref.registry in self._insecure,
-                credentials=self._credentials.get(ref.registry))
+                credentials=own or self._credentials.get(ref.registry))
         except LazyfsError as exc:
             self.event("LazyPullFallback", f"layer {layer.digest} of {image.reference}: "
-                       f"{exc.code}: {exc.message}; pulling it whole")
-        self._download(ref, layer)
+                       f"{exc.code}: {exc.message}; pulling it whole", str(bundle))
+        self._download(ref, layer, own)
         return None
 
     def release(self, bundle: Path) -> None:
         """Drop the pod's references to its lazy mounts."""
+        with self._lock:
+            self._pod_credentials.pop(str(bundle), None)
+            self._events.pop(str(bundle), None)
         try:
             self.client.release(str(bundle))
         except (LazyfsError, OSError) as exc:
@@ -107,24 +119,39 @@ class LazyMounter:
             total += got[1] if got else layer.size
         return (local, total) if lazy else None
 
-    def take_events(self) -> list[tuple[str, str]]:
-        """Fallback events plus the daemon's (chunk mismatches, registry errors)."""
-        with self._lock:
-            events, self._events = self._events, []
+    def take_events(self, bundle: Path) -> list[tuple[str, str]]:
+        """The events of the pod at ``bundle``: its fallbacks, and the daemon's events
+        (chunk digest mismatches, prefetch failures, registry errors) of layers it holds.
+        The daemon's queue is node-wide: what it returns is sorted out per holder here."""
         if self.client.running():
-            events += [(e["reason"], e["message"]) for e in self.client.events()]
-        return events
-
-    def event(self, reason: str, message: str) -> None:
-        log.warning("%s: %s", reason, message)
+            for event in self.client.events():
+                for holder in event.get("holders") or []:
+                    self._queue(holder, (event["reason"], event["message"]))
         with self._lock:
-            self._events.append((reason, message))
+            return self._events.pop(str(bundle), [])
+
+    def event(self, reason: str, message: str, holder: str) -> None:
+        log.warning("%s: %s", reason, message)
+        self._queue(holder, (reason, message))
+
+    def _queue(self, holder: str, event: tuple[str, str]) -> None:
+        with self._lock:
+            self._events.setdefault(holder, []).append(event)
+            del self._events[holder][:-100]
 
     def _lazy_local(self, layer: Descriptor) -> tuple[int, int] | None:
         if not self.client.running():
             return None
         return self.client.local(layer.digest, layer.annotations[TOC_DIGEST_ANNOTATION])
 
-    def _download(self, ref: ImageReference, layer: Descriptor) -> None:
-        self._blobs.ingest(
-            layer.digest, lambda sink: self._registry.fetch_blob(ref, layer, sink), durable=False)
+    def _download(self, ref: ImageReference, layer: Descriptor,
+                  credentials: Credentials | None) -> None:
+        """The full pull of one layer, with the pod's own login when it has one."""
+        if credentials is None:
+            self._blobs.ingest(layer.digest, lambda sink: self._registry.fetch_blob(
+                ref, layer, sink), durable=False)
+            return
+        with RegistryClient(credentials={ref.registry: credentials},
+                            insecure=self._insecure) as client:
+            self._blobs.ingest(layer.digest, lambda sink: client.fetch_blob(ref, layer, sink),
+                               durable=False)

@@ -19,6 +19,10 @@ NO_GPU_SHARE = "no GPU with enough free share"
 NOT_ENOUGH_CPU = "not enough CPU"
 NOT_ENOUGH_MEMORY = "not enough memory"
 LABELS_MISMATCH = "node labels do not match"
+#: A node whose MIG policy is ``off`` (``gpucloud node mig NODE --mode off``) takes no MIG
+#: pods; the server sets this label from the policy (``services.mig``).
+MIG_POLICY_LABEL = "gpucloud.io/mig-policy"
+MIG_OFF = "MIG policy off on node"
 
 
 class RequestCheck:
@@ -162,6 +166,10 @@ class GpuModel:
         if not (pod.gpu_model or pod.min_gpu_memory_mib or pod.mig_profile):
             return [(TOO_FEW_GPUS, np.asarray(state.gpu_count[nodes] <= 0, np.bool_))]
         none = ~cycle.eligible_nodes[nodes]
+        if pod.mig_profile:
+            labels = state.labels
+            off = np.array([labels[i].get(MIG_POLICY_LABEL) == "off" for i in nodes], np.bool_)
+            return [(MIG_OFF, off), (_model_reason(cycle), none)]
         return [(_model_reason(cycle), none)]
 
 

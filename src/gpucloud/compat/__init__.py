@@ -1,0 +1,1 @@
+"""Compatibility layers for other clouds' APIs."""

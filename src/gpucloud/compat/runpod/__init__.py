@@ -1,0 +1,1 @@
+"""RunPod-compatible GraphQL and REST APIs over gpucloud's services (docs/runpod.md)."""

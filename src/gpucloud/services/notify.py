@@ -1,0 +1,107 @@
+"""Wake-ups across server replicas: PostgreSQL ``LISTEN/NOTIFY`` as a hint only.
+
+Every replica keeps one connection of its own that LISTENs on ``gpucloud``; a change
+committed on one replica (a node's assignments, a revoked key) is published after commit
+from a queue by one thread on another connection of its own, batched, never on the
+request or heartbeat path (NOTIFY takes a global lock at commit). A receiver wakes the
+long polls of that node (``wakeups.ASSIGNMENTS``) or clears its cache (``ctx.cache``).
+
+It is a hint: the long poll still re-reads the revision every ``POLL_SECONDS`` and the
+cache entries expire after ``auth_cache_ttl_seconds``, so a lost notification (a
+restart, PgBouncer in transaction mode, which breaks LISTEN) only costs latency.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+from gpucloud.services import wakeups
+from gpucloud.services.context import TtlCache
+
+log = logging.getLogger(__name__)
+CHANNEL = "gpucloud"
+ASSIGNMENTS = "a:"
+CACHE = "c:"
+#: A notification's payload is at most 8000 bytes: a batch holds this many keys.
+BATCH = 200
+
+
+def _dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class NotifyBridge:
+    """One replica's publisher and listener (PostgreSQL only)."""
+
+    def __init__(self, url: str, cache: TtlCache) -> None:
+        self.dsn = _dsn(url)
+        self.cache = cache
+        self._outbox: queue.Queue[str | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._listen, name="notify-listen",
+                                          daemon=True),
+                         threading.Thread(target=self._publish, name="notify-publish",
+                                          daemon=True)]
+
+    def start(self) -> None:
+        wakeups.ASSIGNMENTS.publisher = lambda key: self._outbox.put(ASSIGNMENTS + key)
+        self.cache.publisher = lambda: self._outbox.put(CACHE)
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        wakeups.ASSIGNMENTS.publisher = None
+        self.cache.publisher = None
+        self._stop.set()
+        self._outbox.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _publish(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+                    self._drain(conn)
+            except psycopg.Error as error:
+                log.warning("notify: publishing failed, retrying: %s", error)
+                self._stop.wait(1.0)
+
+    def _drain(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        while not self._stop.is_set():
+            first = self._outbox.get()
+            if first is None:
+                return
+            batch = {first}
+            while len(batch) < BATCH:
+                try:
+                    item = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    batch.add(item)
+            conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, " ".join(sorted(batch))))
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self.cache.clear_local()  # what was missed while not listening
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            self._receive(note.payload)
+            except psycopg.Error as error:
+                log.warning("notify: listening failed, reconnecting: %s", error)
+                self._stop.wait(1.0)
+
+    def _receive(self, payload: str) -> None:
+        for item in payload.split():
+            if item == CACHE:
+                self.cache.clear_local()
+            elif item.startswith(ASSIGNMENTS):
+                wakeups.ASSIGNMENTS.notify_local(item[len(ASSIGNMENTS):])
