@@ -100,7 +100,11 @@ def _forward_is_refused(user: OpenSsh, login: str) -> None:
             assert conn.recv(1) == b""
     finally:
         process.terminate()
-        _, err = process.communicate(timeout=10)
+        try:
+            _, err = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a loaded machine: what it printed still counts
+            process.kill()
+            _, err = process.communicate(timeout=10)
     assert b"open failed" in err and b"is Pending" in err, err
 
 
