@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
 
 from gpucloud.images.testing import busybox_image
 from tests.e2e.cluster import Cloud, running_cloud, skip_reason
@@ -63,3 +66,19 @@ def preempting_cloud(tmp_path: Path) -> Iterator[Cloud]:
     """A fresh server whose preempted pods get a short grace period (0.5 s)."""
     with running_cloud(tmp_path, preemption_grace=0.5) as running:
         yield running
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_cloud(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cloud]:
+    """A fresh cloud on SQLite, or on a new database of the session's PostgreSQL."""
+    url = None
+    if request.param == "postgresql":
+        base = make_url(request.getfixturevalue("postgres_url"))
+        name = f"e2e_{secrets.token_hex(4)}"
+        engine = create_engine(base, isolation_level="AUTOCOMMIT")
+        with engine.connect() as connection:
+            connection.exec_driver_sql(f"CREATE DATABASE {name}")
+        engine.dispose()
+        url = base.set(database=name).render_as_string(hide_password=False)
+    with running_cloud(tmp_path, database_url=url) as cloud:
+        yield cloud

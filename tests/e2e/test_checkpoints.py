@@ -10,15 +10,8 @@ the node is lost, restores that one.
 from __future__ import annotations
 
 import re
-import secrets
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
-
-from tests.e2e.cluster import Cloud, running_cloud, wait_for
+from tests.e2e.cluster import Cloud, wait_for
 from tests.e2e.conftest import PushedImages
 
 CKPT = "/run/gpucloud/bin/gpucloud-ckpt"
@@ -40,20 +33,6 @@ head -c {BIG} /dev/urandom > /ckpt/big; echo two > /ckpt/state
 exec sleep 600"""]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def ckpt_cloud(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cloud]:
-    """A fresh cloud on SQLite, or on a new database of the session's PostgreSQL."""
-    url = None
-    if request.param == "postgresql":
-        base = make_url(request.getfixturevalue("postgres_url"))
-        name = f"e2e_ckpt_{secrets.token_hex(4)}"
-        engine = create_engine(base, isolation_level="AUTOCOMMIT")
-        with engine.connect() as connection:
-            connection.exec_driver_sql(f"CREATE DATABASE {name}")
-        engine.dispose()
-        url = base.set(database=name).render_as_string(hide_password=False)
-    with running_cloud(tmp_path, database_url=url) as cloud:
-        yield cloud
 
 
 def _counts(text: str) -> list[int]:
@@ -61,9 +40,9 @@ def _counts(text: str) -> list[int]:
 
 
 def test_a_counter_continues_from_its_last_checkpoint_on_another_node(
-    ckpt_cloud: Cloud, images: PushedImages
+    db_cloud: Cloud, images: PushedImages
 ) -> None:
-    cloud = ckpt_cloud
+    cloud = db_cloud
     cloud.agent("ck-a")
     cloud.create_pod("counter", images.busybox, COUNTER, checkpoint_dir="/ckpt")
     first = cloud.wait_pod("counter", "Running")

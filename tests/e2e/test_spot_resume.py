@@ -18,13 +18,10 @@ asked, and ``pod get`` shows the measured δ, M and τ.
 from __future__ import annotations
 
 import re
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
 
 from gpucloud.core.jobs import JobOut
 from tests.e2e.cluster import Cloud, running_cloud, wait_for
@@ -53,20 +50,6 @@ ADDRESSES = {"sr-a": "127.0.0.2", "sr-b": "127.0.0.3", "sr-c": "127.0.0.4",
              "sr-d": "127.0.0.5"}
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_cloud(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cloud]:
-    """A fresh cloud on SQLite, or on a new database of the session's PostgreSQL."""
-    url = None
-    if request.param == "postgresql":
-        base = make_url(request.getfixturevalue("postgres_url"))
-        name = f"e2e_spot_{secrets.token_hex(4)}"
-        engine = create_engine(base, isolation_level="AUTOCOMMIT")
-        with engine.connect() as connection:
-            connection.exec_driver_sql(f"CREATE DATABASE {name}")
-        engine.dispose()
-        url = base.set(database=name).render_as_string(hide_password=False)
-    with running_cloud(tmp_path, database_url=url) as cloud:
-        yield cloud
 
 
 def _rank_lines(text: str, rank: int) -> list[str]:
