@@ -6,7 +6,12 @@ BIN := $(VENV)/bin
 RUN_PACKAGES := runc busybox-static iproute2 iptables fuse3
 TEST_PACKAGES := $(RUN_PACKAGES) postgresql docker-registry umoci skopeo libfuse3-dev criu \
 	stargz-snapshotter containerd \
-	openssh-client openssh-server openssh-sftp-server gcc libc6-dev
+	openssh-client openssh-server openssh-sftp-server gcc libc6-dev \
+	chromium chromium-driver
+
+# Two test processes, each whole test file on one of them (its module fixtures, a cluster
+# or a replica set, start once); most of the suite waits on runc, agents and databases.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: up test lint typecheck unit bench clean
 
@@ -27,7 +32,7 @@ test: $(BIN)/.installed
 	scripts/ensure-packages.sh $(TEST_PACKAGES)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_PARALLEL)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests bench

@@ -1,7 +1,12 @@
 """Fleet benchmark: thousands of simulated agents against 2 server replicas on PostgreSQL.
 
 Each simulated agent speaks the real agent protocol over real HTTP (register, renew its
-lease every TTL/2 with jitter, long-poll its assignments, report its pods ``Running``); a
+lease every TTL/3 with jitter, long-poll its assignments, report its pods ``Running``), with
+the real agent's timing: its renewal period, its exponential back-off with jitter on
+failures (never a fixed short retry: a fleet retrying every 0.2 s is a retry storm that
+keeps an overloaded server overloaded), no request abandoned before the lease could lapse
+(an abandoned request is still served, then sent again), and reports on a connection of
+their own (the agent's lease thread never waits behind its pod reports); a
 few worker processes each run thousands of them on one asyncio loop, out of the servers'
 processes. Two ``gpucloud server`` replicas share one PostgreSQL; agents are spread over
 them and move to the other replica when theirs stops answering. While the fleet runs, pods
@@ -122,6 +127,10 @@ class AgentStats:
     reports: int = 0
     #: latency histogram, 1 ms buckets
     latency_ms: dict[int, int] = field(default_factory=dict)
+    #: the longest time between two successful renewals' sends of one agent (s): the
+    #: margin left on its lease is TTL minus this (and the last one's latency)
+    max_gap_s: float = 0.0
+    renewal_error_codes: dict[str, int] = field(default_factory=dict)
 
     def record(self, seconds: float) -> None:
         bucket = int(seconds * 1000)
@@ -134,7 +143,8 @@ class SimAgent:
     def __init__(self, name: str, ports: list[int], index: int, join_token: str,
                  stats: AgentStats) -> None:
         self.name, self.join_token, self.stats = name, join_token, stats
-        self.control = Http(ports, index)
+        self.control = Http(ports, index)  # register and the lease only
+        self.reports = Http(ports, index)
         self.poll = Http(ports, index)
         self.token = ""
         self.fencing = 0
@@ -156,13 +166,19 @@ class SimAgent:
             await asyncio.sleep(0.5 + random.random())
 
     async def lease_loop(self) -> None:
-        """Every TTL/2, jittered by ±10 % so the fleet does not renew in lockstep."""
-        await asyncio.sleep(random.uniform(0, self.ttl / 2))
+        """Every TTL/3 at a fixed rate, as the agent does (agent/renewal.py: each renewal
+        due a period after the previous one was *sent*, not after its answer), jittered by
+        ±10 % so the fleet does not renew in lockstep; on a failure, the agent's back-off."""
+        due = time.monotonic() + random.uniform(0, self.ttl / 3)
+        failures = 0
+        last_sent: float | None = None
         while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            sent = time.monotonic()
             started = time.perf_counter()
             status, out = await self.control.request(
                 "POST", "/v1/agent/lease", self.token, {"fencing_token": self.fencing},
-                timeout=self.ttl / 2)
+                timeout=self.ttl)
             if status == 200:
                 self.stats.renewals += 1
                 self.stats.record(time.perf_counter() - started)
@@ -177,19 +193,30 @@ class SimAgent:
                     self.fencing = out["fencing_token"]
             else:
                 self.stats.renewal_errors += 1
-                await asyncio.sleep(0.2)
+                code = str(status)  # 0: no answer within the TTL, or the replica was down
+                self.stats.renewal_error_codes[code] = self.stats.renewal_error_codes.get(
+                    code, 0) + 1
+                failures += 1
+                due = time.monotonic() + min(backoff(failures), self.ttl / 3)
                 continue
-            await asyncio.sleep(self.ttl / 2 * random.uniform(0.9, 1.1))
+            failures = 0
+            if last_sent is not None:
+                self.stats.max_gap_s = max(self.stats.max_gap_s, sent - last_sent)
+            last_sent = sent
+            due = sent + self.ttl / 3 * random.uniform(0.9, 1.1)
 
     async def watch_loop(self) -> None:
         revision: int | None = None
+        failures = 0
         while True:
             query = "wait=25" + (f"&revision={revision}" if revision is not None else "")
             status, out = await self.poll.request("GET", f"/v1/agent/assignments?{query}",
                                                   self.token, timeout=40)
             if status != 200:
-                await asyncio.sleep(0.2 + random.random() * 0.3)
+                failures += 1
+                await asyncio.sleep(backoff(failures))
                 continue
+            failures = 0
             revision = out["revision"]
             for pod in out["pods"]:
                 if pod["phase"] in ("Scheduled", "Pulling") and pod["pod_id"] not in self.running:
@@ -197,11 +224,17 @@ class SimAgent:
 
     async def report(self, pod: dict[str, Any]) -> None:
         body = {"fencing_token": self.fencing, "phase": "Running", "attempt": pod["attempt"]}
-        status, _ = await self.control.request(
+        status, _ = await self.reports.request(
             "POST", f"/v1/agent/pods/{pod['pod_id']}/status", self.token, body)
         if status == 200:
             self.running.add(pod["pod_id"])
             self.stats.reports += 1
+
+
+def backoff(failures: int, base: float = 0.2, cap: float = 5.0) -> float:
+    """The agent's back-off (agent/backoff.py): doubling from ``base`` up to ``cap``, each
+    delay jittered down to half so that a fleet failing together retries spread out."""
+    return min(cap, base * 2.0 ** min(failures - 1, 30)) * random.uniform(0.5, 1.0)
 
 
 async def _worker(config: dict[str, Any]) -> None:
@@ -229,6 +262,7 @@ async def _worker(config: dict[str, Any]) -> None:
                 for task in tasks[v]:
                     task.cancel()
                 agents[v].control._drop()
+                agents[v].reports._drop()
                 agents[v].poll._drop()
             _emit({"event": "killed", "names": [agents[v].name for v in victims],
                    "at": time.time()})
@@ -314,6 +348,9 @@ class Monitor(threading.Thread):
         self.lost_now: set[str] = set()
         self.samples: list[tuple[float, int, int]] = []  # (time, pending, bound)
         self.leader: list[tuple[float, str | None, int | None]] = []
+        #: what PostgreSQL's active sessions waited on, summed over samples (one a second):
+        #: "what saturated" when renewals or binds slow down
+        self.waits: dict[str, int] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -334,6 +371,17 @@ class Monitor(threading.Thread):
                 row = db.execute(sa.text("SELECT holder, token FROM controller_leases "
                                          "WHERE name = 'controllers'")).first()
                 self.leader.append((now, row[0] if row else None, row[1] if row else None))
+                if len(self.samples) % 4 == 0:
+                    self._sample_waits(db)
+
+    def _sample_waits(self, db: sa.Connection) -> None:
+        for wait, query, count in db.execute(sa.text(
+                "SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU'),"
+                " left(regexp_replace(query, '\\s+', ' ', 'g'), 48), count(*)"
+                " FROM pg_stat_activity WHERE state = 'active' AND pid <> pg_backend_pid()"
+                " AND backend_type = 'client backend' GROUP BY 1, 2")):
+            key = f"{wait} | {query}"
+            self.waits[key] = self.waits.get(key, 0) + int(count)
 
 
 class Workers:
@@ -392,9 +440,13 @@ def _admin(url: str, method: str, path: str, body: object | None = None) -> Any:
     return response.json()
 
 
-async def _create_pods(ports: list[int], count: int, clients: int) -> tuple[float, int]:
-    """Create ``count`` 1-GPU pods through the API; returns (seconds, errors)."""
+async def _create_pods(ports: list[int], first: int, count: int,
+                       clients: int) -> tuple[float, int, dict[str, int]]:
+    """Create ``count`` 1-GPU pods through the API, numbered from ``first`` (each wave its
+    own names: a second wave named as the first is refused, 422 "already exists");
+    returns (seconds, errors, the errors by status code)."""
     errors = 0
+    codes: dict[str, int] = {}
     first_error: list[object] = []
     started = time.perf_counter()
 
@@ -402,7 +454,7 @@ async def _create_pods(ports: list[int], count: int, clients: int) -> tuple[floa
         nonlocal errors
         http = Http(ports, index)
         for n in range(index, count, clients):
-            body = {"name": f"fleet-pod-{n}", "image": "ghcr.io/acme/trainer:1", "gpus": 1,
+            body = {"name": f"fleet-pod-{first + n}", "image": "ghcr.io/acme/trainer:1", "gpus": 1,
                     "cpu": 1, "memory": "4Gi"}
             status, out = await http.request("POST", "/v1/pods", ADMIN_KEY, body)
             retried = status == 0
@@ -413,13 +465,14 @@ async def _create_pods(ports: list[int], count: int, clients: int) -> tuple[floa
                 continue
             if status != 201:
                 errors += 1
+                codes[str(status)] = codes.get(str(status), 0) + 1
                 if not first_error:
                     first_error.append(out)
                     print(f"pod create failed: {status} {out} {http.last_error}", flush=True)
         http._drop()
 
     await asyncio.gather(*(client(i) for i in range(clients)))
-    return time.perf_counter() - started, errors
+    return time.perf_counter() - started, errors, codes
 
 
 @dataclass
@@ -442,10 +495,12 @@ def _percentile(histogram: dict[int, int], fraction: float) -> float:
     return 0.0
 
 
-def _throughput(samples: list[tuple[float, int, int]]) -> tuple[float, float]:
-    """Pods bound per second over the span where a backlog of pending pods existed; and
-    the best 1-second rate."""
-    busy = [(t, b) for t, p, b in samples if p > 0]
+def _throughput(samples: list[tuple[float, int, int]],
+                backlog: int = 1) -> tuple[float, float]:
+    """Pods bound per second over the span where at least ``backlog`` pending pods
+    existed; and the best 1-second rate. With ``backlog`` 1 a slow create rate bounds it
+    (pods are placed as they come); with a backlog of a whole pass the scheduler does."""
+    busy = [(t, b) for t, p, b in samples if p >= backlog]
     if len(busy) < 2:
         return 0.0, 0.0
     span = busy[-1][0] - busy[0][0]
@@ -506,18 +561,19 @@ def _drive(plan: Plan, replicas: list[Replica], ports: list[int], workers: Worke
     """Pods in two waves, the leader's kill between them, then 1 % of the agents killed."""
     end = time.time() + plan.duration
     timeline: dict[str, Any] = {}
-    seconds, errors = asyncio.run(_create_pods(ports, plan.pods // 2, 32))
+    seconds, errors, codes = asyncio.run(_create_pods(ports, 0, plan.pods // 2, 32))
     timeline["wave1"] = {"pods": plan.pods // 2, "create_s": round(seconds, 2),
-                         "errors": errors}
+                         "errors": errors, "error_codes": codes}
     _sleep_until(time.time() + plan.duration * 0.2, end)
     leader = replicas[0]
     killed_at = time.time()
     leader_before = monitor.leader[-1] if monitor.leader else (0, None, None)
     leader.kill()
     timeline["leader_killed_at"] = killed_at
-    seconds, errors = asyncio.run(_create_pods(ports, plan.pods - plan.pods // 2, 32))
+    seconds, errors, codes = asyncio.run(_create_pods(ports, plan.pods // 2,
+                                                       plan.pods - plan.pods // 2, 32))
     timeline["wave2"] = {"pods": plan.pods - plan.pods // 2, "create_s": round(seconds, 2),
-                         "errors": errors}
+                         "errors": errors, "error_codes": codes}
     leader.start()  # back as a follower
     timeline["failover_s"] = _failover_seconds(monitor, killed_at, leader_before[1])
     _sleep_until(time.time() + plan.duration * 0.2, end)
@@ -566,6 +622,13 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
                  if n in monitor.lost_now or any(t >= at for t in monitor.entries.get(n, []))}
     undetected = sorted(set(killed) - set(detection))
     rate, best = _throughput(monitor.samples)
+    behind, _ = _throughput(monitor.samples, backlog=256)
+    errors: dict[str, int] = {}
+    for s in stats:
+        for code, n in s["renewal_error_codes"].items():
+            errors[code] = errors.get(code, 0) + n
+    killed_at = timeline.get("leader_killed_at") or 0.0
+    first_lost = [min(monitor.entries[n]) - killed_at for n in false_lost]
     renewals = sum(s["renewals"] for s in stats)
     return {
         "mode": "quick" if plan.quick else "full",
@@ -576,10 +639,15 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "lease_renewals_per_s": round(renewals / elapsed, 1),
         "renewal_p50_ms": _percentile(histogram, 0.5),
         "renewal_p99_ms": _percentile(histogram, 0.99),
+        "renewal_max_gap_s": round(max((s["max_gap_s"] for s in stats), default=0.0), 2),
         "renewal_errors": sum(s["renewal_errors"] for s in stats),
+        "renewal_error_codes": errors,
         "unexpected_new_grants": sum(s["unexpected_new_grants"] for s in stats),
         "stale_refusals": sum(s["stale_refusals"] for s in stats),
         "false_lost": len(false_lost), "false_lost_nodes": false_lost[:20],
+        "false_lost_before_leader_kill": sum(t < 0 for t in first_lost),
+        "false_lost_s_after_leader_kill": ([round(min(first_lost), 1),
+                                            round(max(first_lost), 1)] if first_lost else None),
         "killed_agents": len(killed),
         "lost_detected": len(detection),
         "detection_max_s": round(max(detection.values()), 2) if detection else None,
@@ -590,11 +658,14 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "pods_reported_running": sum(s["reports"] for s in stats),
         "scheduling_pods_per_s": round(rate, 1),
         "scheduling_best_1s_pods_per_s": round(best, 1),
+        "scheduling_pods_per_s_backlog_256": round(behind, 1),
         "leader_failover_s": timeline.get("failover_s"),
         "cpu_cores_per_replica": [round(c, 2) for c in cpu],
         "cpu_cores_agent_workers": round(agent_cpu, 2),
         "machine_cores": os.cpu_count(),
         "waves": {"1": timeline.get("wave1"), "2": timeline.get("wave2")},
+        "postgres_active_waits": dict(sorted(monitor.waits.items(),
+                                             key=lambda kv: -kv[1])[:12]),
     }
 
 

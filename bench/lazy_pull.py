@@ -20,9 +20,14 @@ forwards is delivered RTT/2 after it arrived, in each direction, pipelined (the 
 not cap the rate). The relay's throughput is measured first and reported
 (``link.relay_mb_per_s``), and it counts the bytes it forwards from the registry.
 
-Each run is a cold node: a new agent with an empty state directory, the page cache dropped
+Each run is a cold node: a new agent with an empty state directory (so an empty chunk
+cache), its lazyfs daemon started (once per node boot on a real node: supervised by the
+agent, it outlives pods; its start is timed and reported on its own,
+``lazyfs_daemon_start_seconds_p50``), the page cache dropped
 (``/proc/sys/vm/drop_caches``), then pod create → ``READY`` served by the pod-logs API
-(polled every 10 ms). Reported per form and RTT: p50/p95 over the runs, the CPU seconds of
+(polled every 10 ms). After each run the node's daemon is stopped: it outlives its agent by
+design, and a finished run's daemon would otherwise go on prefetching into the next run's
+link, CPU and byte counts. Reported per form and RTT: p50/p95 over the runs, the CPU seconds of
 the node's processes (the agent and its descendants, and any process naming the node's
 state directory: the lazyfs daemon), and the registry bytes the relay forwarded before
 ``READY``. Then, on the last 2 ms run of each form, the files are read once whole (fully
@@ -31,9 +36,12 @@ again from the host through the pod's root filesystem: sequential (1 MiB reads),
 random reads, and a stat/readdir walk of the tree.
 
 The lazy form is ``gpucloud.images.lazy.optimize`` of the ordinary image, the read files
-prioritized (level 1: incompressible weights gain nothing from more). Whether a node really
-mounted it lazily is checked (FUSE mounts under its state directory); when not, the lazy
-figures are reported as not measured, with the reason, never as a result.
+prioritized (level 1: incompressible weights gain nothing from more), large files in 1 MiB
+chunks (``--chunk-mib``; a chunk is the smallest verifiable fetch unit, so it bounds what a
+partial read of the weights file fetches; the converter's default is eStargz's 4 MiB).
+Whether a node really mounted it lazily is checked (FUSE mounts under its state
+directory); when not, the lazy figures are reported as not measured, with the reason,
+never as a result.
 
     .venv/bin/python bench/lazy_pull.py [--quick] [--runs 5] [--rtt-ms 2 20]
 
@@ -71,6 +79,7 @@ sys.path.insert(0, str(ROOT))
 from tests.e2e.cluster import Cloud, clean_node, running_cloud  # noqa: E402
 
 from gpucloud.images.client import RegistryClient  # noqa: E402
+from gpucloud.images.lazy.client import LazyfsClient  # noqa: E402
 from gpucloud.images.lazy.optimize import OptimizeOptions, optimize  # noqa: E402
 from gpucloud.images.testing import build_image, busybox_files, make_layer  # noqa: E402
 
@@ -171,14 +180,15 @@ def _random_bytes(size: int, seed: int = 7) -> bytes:
     return b"".join(rng.randbytes(min(piece, size - at)) for at in range(0, size, piece))
 
 
-def push_estargz(registry: str, src: str, dst: str, work: Workload) -> None:
-    """The eStargz form via the project's converter (what `gpucloud image optimize` runs)."""
+def push_estargz(registry: str, src: str, dst: str, work: Workload, chunk_size: int) -> None:
+    """The eStargz form via the project's converter (what `gpucloud image optimize` runs),
+    large files cut into ``chunk_size`` chunks (the smallest verifiable fetch unit)."""
     # The files the start reads whole (a recording of the imports); the weights file,
     # read in part, is left to on-demand reads (a recording would place it whole).
     prefetch = tuple(work.read_files)
     with RegistryClient() as client:
         optimize(f"{registry}/{src}", f"{registry}/{dst}",
-                 OptimizeOptions(level=1, prefetch=prefetch), client)
+                 OptimizeOptions(level=1, chunk_size=chunk_size, prefetch=prefetch), client)
 
 
 # -- the link: a namespace, tbf, the registry and the delay relay -----------------------
@@ -407,21 +417,22 @@ class Run:
     lazy_mounts: int
     #: Of ``bytes_fetched``: what the lazyfs daemon fetched as background prefetch.
     prefetched: int = 0
+    #: Of ``prefetched``: the prioritized files (the landmark prefix).
+    prefetched_priority: int = 0
+    #: Seconds the node's lazyfs daemon took to start (before the timed create).
+    daemon_start_seconds: float = 0.0
 
 
-def lazyfs_prefetched(state_dir: Path) -> int:
-    """Bytes the node's lazyfs daemon fetched in the background so far (0: no daemon);
-    asked directly on its control socket (``images/lazy/daemon``), starting nothing."""
+def lazyfs_prefetched(state_dir: Path) -> tuple[int, int]:
+    """Bytes the node's lazyfs daemon fetched in the background so far, and of those the
+    prioritized files' ((0, 0): no daemon); asked directly on its control socket
+    (``images/lazy/daemon``), starting nothing."""
     path = state_dir / "lazyfs" / "control.sock"
     if not path.exists():
-        return 0
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(10)
-        sock.connect(str(path))
-        sock.sendall(b'{"op": "status"}\n')
-        reply = sock.makefile("rb").readline()
-    layers = json.loads(reply).get("layers", {})  # by layer digest
-    return sum(int(layer.get("prefetched", 0)) for layer in layers.values())
+        return 0, 0
+    layers = _lazyfs_request(path, {"op": "status"}).get("layers", {})  # by layer digest
+    return (sum(int(layer.get("prefetched", 0)) for layer in layers.values()),
+            sum(int(layer.get("prefetched_priority", 0)) for layer in layers.values()))
 
 
 def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
@@ -429,6 +440,11 @@ def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
     agent = cloud.agent(name)
     assert agent.process is not None
     try:
+        # The node's lazyfs daemon runs before the pod, as on a real node (supervised by the
+        # agent, it outlives pods); its start, once per node boot, is timed on its own.
+        started = time.perf_counter()
+        LazyfsClient(agent.state_dir).ensure_running()
+        daemon_seconds = time.perf_counter() - started
         drop_caches()
         before_bytes = relay.bytes_down
         before_cpu = node_cpu_seconds(agent.process.pid, agent.state_dir)
@@ -441,10 +457,10 @@ def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
             time.sleep(0.01)
         seconds = time.perf_counter() - start
         fetched = relay.bytes_down - before_bytes
-        prefetched = lazyfs_prefetched(agent.state_dir)
+        prefetched, priority = lazyfs_prefetched(agent.state_dir)
         cpu = node_cpu_seconds(agent.process.pid, agent.state_dir) - before_cpu
         run = Run(round(seconds, 3), round(cpu, 2), fetched, fuse_mounts_under(agent.state_dir),
-                  prefetched)
+                  prefetched, priority, round(daemon_seconds, 3))
         reads = None
         if measure_reads is not None:
             rootfs = next(agent.state_dir.glob(f"containers/{pod.id}-*/rootfs"))
@@ -456,7 +472,39 @@ def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
         # pod must go to the next (cold) node.
         cloud.client.cordon(name)
         agent.terminate()
+        stop_lazyfs(agent.state_dir)
         clean_node(agent.state_dir)
+
+
+def stop_lazyfs(state_dir: Path) -> None:
+    """Stop the node's lazyfs daemon (it outlives its agent by design): a finished run's
+    daemon must not go on prefetching into the next run's link, CPU and byte counts."""
+    path = state_dir / "lazyfs" / "control.sock"
+    if not path.exists():
+        return
+    try:
+        pid = int(_lazyfs_request(path, {"op": "ping"})["pid"])
+        _lazyfs_request(path, {"op": "shutdown"})
+    except (OSError, ValueError, KeyError):
+        return
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.05)
+
+
+def _lazyfs_request(path: Path, request: dict[str, Any]) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        reply: dict[str, Any] = json.loads(sock.makefile("rb").readline())
+    return reply
 
 
 def cached_reads(rootfs: Path, work: Workload) -> dict[str, Any]:
@@ -508,7 +556,11 @@ def summary(runs: list[Run]) -> dict[str, Any]:
         "prefetched_bytes_p50": int(statistics.median(r.prefetched for r in runs)),
         "bytes_fetched_without_prefetch_p50": int(statistics.median(
             r.bytes_fetched - r.prefetched for r in runs)),
+        "bytes_fetched_without_bulk_prefetch_p50": int(statistics.median(
+            r.bytes_fetched - r.prefetched + r.prefetched_priority for r in runs)),
         "lazy_mounts": max(r.lazy_mounts for r in runs),
+        "lazyfs_daemon_start_seconds_p50": round(statistics.median(
+            r.daemon_start_seconds for r in runs), 3),
     }
 
 
@@ -527,8 +579,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="cold runs per form and RTT")
     parser.add_argument("--rtt-ms", type=float, nargs="+", default=[2.0, 20.0])
     parser.add_argument("--mb", type=int, help="image size in MB (default 1100, quick 200)")
+    parser.add_argument("--chunk-mib", type=float, default=1.0,
+                        help="eStargz chunk size of large files (converter default: 4)")
     args = parser.parse_args()
     total = (args.mb or (200 if args.quick else 1100)) * 1_000_000
+    chunk_size = int(args.chunk_mib * MiB)
     work = workload(total)
     result: dict[str, Any] = {
         "benchmark": "lazy_pull", "quick": args.quick,
@@ -538,6 +593,7 @@ def main() -> None:
                   "read_bytes": work.read_bytes,
                   "read_fraction": round(work.read_bytes / work.total_bytes, 4)},
         "measured": "pod create -> READY served by GET /v1/pods/{id}/logs, cold node",
+        "estargz_chunk_bytes": chunk_size,
     }
     with tempfile.TemporaryDirectory(prefix="gpucloud-lazybench-", dir="/var/tmp") as tmp, \
             ExitStack() as stack:
@@ -549,7 +605,7 @@ def main() -> None:
         weights_digest = push_image(relay.host, work, "bench/app:full")
         result["push_seconds"] = round(time.perf_counter() - started, 1)
         started = time.perf_counter()
-        push_estargz(relay.host, "bench/app:full", "bench/app:esgz", work)
+        push_estargz(relay.host, "bench/app:full", "bench/app:esgz", work, chunk_size)
         result["convert_seconds"] = round(time.perf_counter() - started, 1)
         result["link"] = link_proof(relay, weights_digest)
         cloud = stack.enter_context(running_cloud(workdir / "cloud"))
@@ -606,6 +662,9 @@ def finish(result: dict[str, Any], work: Workload, rtt: float) -> None:
     # Wire bytes before READY (TOC included) less the daemon's background prefetch.
     result["fetched_over_read"] = round(
         lazy["bytes_fetched_without_prefetch_p50"] / work.read_bytes, 3)
+    # The same with the prioritized files' prefetch counted (they are the start's reads).
+    result["fetched_over_read_with_priority_prefetch"] = round(
+        lazy["bytes_fetched_without_bulk_prefetch_p50"] / work.read_bytes, 3)
     result["fetched_over_read_with_prefetch"] = round(
         lazy["bytes_fetched_p50"] / work.read_bytes, 3)
 

@@ -179,17 +179,18 @@ class Cloud:
 def running_cloud(workdir: Path, lease_ttl: float = LEASE_TTL,
                   preemption_grace: float | None = None,
                   ssh_port: int | None = None,
-                  database_url: str | None = None,
+                  database_url: str | None = None, port: int | None = None,
                   **overrides: Any) -> Iterator[Cloud]:
-    """A server on SQLite (or ``database_url``; short lease TTL and restart back-off);
-    agents added on demand. ``overrides``: other ``Settings`` fields."""
+    """A server on SQLite (or ``database_url``; short lease TTL and restart back-off) on
+    ``port`` (default: a free one); agents added on demand. ``overrides``: other
+    ``Settings`` fields."""
     settings = Settings(home=workdir / "home",
                         database_url=database_url or f"sqlite:///{workdir / 'db.sqlite'}",
                         admin_key=ADMIN_KEY, lease_ttl_seconds=lease_ttl,
                         restart_backoff_seconds=0.2, restart_backoff_max_seconds=1.0,
                         preemption_grace_seconds=preemption_grace, ssh_port=ssh_port,
                         **overrides)
-    server = ServerThread(settings, free_port())
+    server = ServerThread(settings, port or free_port())
     server.start()
     cloud = Cloud(server.url, GpucloudClient(server.url, ADMIN_KEY), workdir, server)
     try:

@@ -92,3 +92,32 @@ def test_sdk_account_template_and_skypilot_spot(sdk: Cloud, images: PushedImages
     assert native.spot and native.bid == 1.2
     assert runpod.get_pod(pod["id"])["podType"] == "INTERRUPTABLE"
     runpod.terminate_pod(pod["id"])
+
+
+def test_sdk_network_volume_registry_auth_and_in_place_restart(
+        sdk: Cloud, images: PushedImages) -> None:
+    """The SDK's registry-auth helpers; a network volume made with runpodctl's
+    ``createNetworkVolume``, mounted by ``create_pod(network_volume_id=…)`` (which looks
+    the volume's data center up with ``get_user``); ``podRestart`` stops the running pod
+    and starts the same pod again, its volume kept (the boot count goes to 2)."""
+    auth = runpod.create_container_registry_auth("hub", "someone", "secret")
+    assert auth["name"] == "hub" and sdk.client.list_registry_auths()[0].id == auth["id"]
+    assert runpod.delete_container_registry_auth(auth["id"]) is None
+    volume = run_graphql_query('mutation { createNetworkVolume(input: {name: "shared", '
+                               'size: 1, dataCenterId: "US-TX-3"}) { id dataCenterId } }')
+    assert volume["data"]["createNetworkVolume"] == {"id": "shared", "dataCenterId": "us-tx-3"}
+    boots = ("sh -c 'trap exit TERM; echo x >> /shared/boots; "
+             "echo boots=$(wc -l < /shared/boots); sleep 600 & wait'")
+    pod = runpod.create_pod("boots", images.busybox, H100, gpu_count=1, docker_args=boots,
+                            network_volume_id="shared", volume_mount_path="/shared")
+    _status(pod["id"], "RUNNING")
+    sdk.wait_log("boots", "boots=1")
+    restarted = run_graphql_query(f'mutation {{ podRestart(input: {{podId: "{pod["id"]}"}}) '
+                                  "{ id desiredStatus } }")["data"]["podRestart"]
+    assert restarted == {"id": pod["id"], "desiredStatus": "CREATED"}
+    _status(pod["id"], "RUNNING")
+    sdk.wait_log("boots", "boots=2")
+    runpod.terminate_pod(pod["id"])
+    gone = run_graphql_query('mutation { deleteNetworkVolume(input: {id: "shared"}) }')
+    assert gone == {"data": {"deleteNetworkVolume": None}}
+    assert sdk.client.list_volumes() == []

@@ -46,6 +46,8 @@ SCHEMA_LOOSER_THAN_VALIDATION = {
     # this server gave, an OpenSSH key line
     "POST /runpod/v2/pods", "POST /runpod/v1/pods", "POST /runpod/v2/templates",
     "POST /runpod/v2/registries", "PUT /runpod/v2/account/ssh-keys", "GET /runpod/v2/pods",
+    # serverless endpoints: an image that parses, a template of the project, min <= max
+    "POST /v1/endpoints", "PATCH /v1/endpoints/{ref}",
 }
 #: Pydantic's lax mode takes ``false`` for an integer; the schema says integer.
 BOOL_AS_INTEGER = {"POST /v1/priority-classes", "PUT /v1/quotas/{project}"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -77,3 +78,25 @@ def register_node(api: TestClient) -> Callable[..., dict[str, Any]]:
 
 def agent_headers(registration: dict[str, Any]) -> dict[str, str]:
     return {"Authorization": f"Bearer {registration['node_token']}"}
+
+
+class ThroughTestClient(httpx.BaseTransport):
+    """Our httpx clients (the agent's, the SDK's) sending through a TestClient.
+
+    Starlette's TestClient is built on ``httpx2`` when that is installed (the runpod SDK
+    pulls it in), and its transport then returns ``httpx2`` responses that ``httpx``
+    refuses; going through the TestClient's public ``request`` works with either."""
+
+    def __init__(self, client: TestClient) -> None:
+        self._client = client
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        answer = self._client.request(
+            request.method, str(request.url), content=request.read(),
+            headers=[(k, v) for k, v in request.headers.multi_items()
+                     if k.lower() != "host"],
+            follow_redirects=False)
+        headers = [(k, v) for k, v in answer.headers.multi_items()
+                   if k.lower() not in ("content-encoding", "content-length")]
+        return httpx.Response(answer.status_code, headers=headers,
+                              content=answer.content, request=request)

@@ -28,7 +28,7 @@ from gpucloud.core.models import AssignmentOut, NodeRegisterRequest
 from gpucloud.db.models import ProjectModel
 from gpucloud.services import checkpoints as service
 from gpucloud.services.context import ServiceContext
-from tests.integration.conftest import agent_headers, h100_gpus
+from tests.integration.conftest import ThroughTestClient, agent_headers, h100_gpus
 
 MiB = 1024 * 1024
 
@@ -38,7 +38,7 @@ def _connect(api: TestClient, tmp_path: Path, name: str = "gpu-1") -> Connection
     registration = NodeRegisterRequest(join_token=token, name=name, cpu_cores=64,
                                        memory_bytes=512 * 1024**3, gpus=h100_gpus())
     conn = Connection("http://testserver", registration, IdentityFile(tmp_path / name),
-                      threading.Event(), transport=api._transport)
+                      threading.Event(), transport=ThroughTestClient(api))
     conn.connect()
     return conn
 
@@ -219,7 +219,7 @@ def test_an_old_attempt_never_publishes_over_a_newer_one(
     assert [(c["attempt"], c["seq"]) for c in listed] == [(old.attempt, 1)]
     manifests = list((app_ctx.settings.home / "checkpoints" / "store").rglob("*.json"))
     assert len(manifests) == 1  # the late writer's manifest was withdrawn
-    stale = AgentClient("http://testserver", reg["node_token"], transport=api._transport)
+    stale = AgentClient("http://testserver", reg["node_token"], transport=ThroughTestClient(api))
     with pytest.raises(Exception, match="fencing token"):
         stale.pod_checkpoints(new.pod_id, conn.fencing_token - 1, new.attempt)
 

@@ -50,8 +50,10 @@ def test_runpodctl_rest_v1_lifecycle(api: TestClient) -> None:
     got = api.get(f"{V1}/pods/{pod_id}", params={"includeMachine": "true",
                                                  "includeNetworkVolume": "true"})
     assert got.status_code == 200 and got.json()["name"] == "ctl-cpu"
-    restart = api.post(f"{V1}/pods/{pod_id}/restart")
-    assert restart.status_code == 409 and "stop it" in restart.json()["error"]
+    restart = api.post(f"{V1}/pods/{pod_id}/restart")  # not placed yet: stopped at once
+    assert restart.status_code == 200 and restart.json()["desiredStatus"] == "CREATED"
+    reasons = [e["reason"] for e in api.get(f"/v1/pods/{pod_id}/events").json()]
+    assert reasons[-2:] == ["StoppedByUser", "StartedByUser"], reasons
     stopped = api.post(f"{V1}/pods/{pod_id}/stop")
     assert stopped.status_code == 200 and stopped.json()["desiredStatus"] == "EXITED"
     started = api.post(f"{V1}/pods/{pod_id}/start")

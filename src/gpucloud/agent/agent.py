@@ -31,6 +31,7 @@ from gpucloud.agent.migration import VolumeExports, VolumeReceiver
 from gpucloud.agent.plan import plan
 from gpucloud.agent.podnetwork import node_network
 from gpucloud.agent.podworker import NodeRuntime, PodWorker, container_id
+from gpucloud.agent.renewal import RenewalSchedule
 from gpucloud.agent.usage import Target, UsageReporter
 from gpucloud.agent.usage_spool import UsageSpool
 from gpucloud.agent.volumes import VolumeStore, default_volume_mode
@@ -272,20 +273,22 @@ class Agent:
     # -- the lease ----------------------------------------------------------------------
 
     def _lease_loop(self) -> None:
-        """Renew every third of the TTL, holding the current fencing token; retry sooner
-        (but never later than that) while the server cannot be reached."""
+        """Renew every third of the TTL at a fixed rate (from when the last renewal was
+        sent, agent/renewal.py), holding the current fencing token; retry sooner (but
+        never later than that) while the server cannot be reached."""
         backoff = Backoff()
-        delay = self.conn.lease_ttl_seconds / 3
-        while not self.stop_event.wait(delay):
+        schedule = RenewalSchedule(lambda: self.conn.lease_ttl_seconds / 3)
+        while not self.stop_event.wait(schedule.wait_seconds()):
+            sent = schedule.sending()
             try:
                 self.conn.renew(self.health.report() if self.health is not None else None)
                 backoff.reset()
-                delay = self.conn.lease_ttl_seconds / 3
+                schedule.renewed(sent)
             except GpucloudError as error:
                 if not is_transient(error):
                     raise
                 log.warning("lease renewal failed: %s", error.message)
-                delay = min(backoff.next_delay(), self.conn.lease_ttl_seconds / 3)
+                schedule.retry_in(min(backoff.next_delay(), self.conn.lease_ttl_seconds / 3))
 
     # -- assignments --------------------------------------------------------------------
 
@@ -314,6 +317,8 @@ class Agent:
             self.exports.update(snapshot.volume_exports)
             self.reconcile(snapshot.pods)
             self._collect_volumes(snapshot.volume_pods)
+            if self.health is not None:  # node gpu-reset / node diag (agent/health)
+                self.health.submit(snapshot.gpu_actions)
 
     def reconcile(self, assigned: list[AssignmentOut]) -> None:
         """Bring workers and containers in line with what the server assigns."""

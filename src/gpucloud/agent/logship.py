@@ -5,11 +5,17 @@ whatever the container wrote. The two offsets match for valid UTF-8 and drift ap
 invalid bytes are replaced, so both are tracked, and saved after every accepted chunk
 (``<state-dir>/logship/<container>.json``) so that a restarted agent resumes exactly where
 the server's copy ends.
+
+The record is a hint, not the truth: the server answers every chunk with its end and the
+shipper realigns on a difference. So a record that cannot be saved (a full state dir) is
+logged and shipping goes on; a restarted agent then resends from the older record and the
+server, which stores each offset once, answers where its copy really ends.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +24,7 @@ from gpucloud.agent.connection import Connection
 from gpucloud.core.models import AgentLogChunkRequest
 from gpucloud.runtime.logs import read_from
 
+log = logging.getLogger(__name__)
 CHUNK_BYTES = 256 * 1024
 
 
@@ -53,6 +60,7 @@ class LogShipper:
         self.log_path = log_path
         self.record = record
         self.offsets: Offsets | None = None
+        self._save_failing = False
 
     def ship(self, final: bool = False) -> bool:
         """Send what the file has beyond the server's copy; False when the server refused.
@@ -114,7 +122,19 @@ class LogShipper:
 
     def _save(self) -> None:
         assert self.offsets is not None
-        self.record.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.record.with_name(f".{self.record.name}.tmp")
-        tmp.write_text(json.dumps({"file": self.offsets.file, "server": self.offsets.server}))
-        os.replace(tmp, self.record)
+        try:
+            self.record.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"file": self.offsets.file,
+                                       "server": self.offsets.server}))
+            os.replace(tmp, self.record)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            if not self._save_failing:  # once per outage, not once per chunk
+                log.warning("log of pod %s: cannot save the shipped offset in %s (%s); "
+                            "shipping goes on", self.pod_id, self.record.parent, error)
+            self._save_failing = True
+            return
+        if self._save_failing:
+            log.info("log of pod %s: the shipped offset is saved again", self.pod_id)
+        self._save_failing = False

@@ -15,7 +15,8 @@ Every ``interval`` seconds the reporter samples each running container of this a
 Counters are cumulative since the container started. Each sample goes into the spool
 (``agent/usage_spool``) before it is sent, in batches carrying the fencing token
 (a stale token is refreshed and the batch sent again; an unreachable server is tried
-again next round while sampling goes on). A refused
+again next round while sampling goes on; a busy server's 503 or 429 is honoured: nothing
+is sent before its ``Retry-After``, doubled for each refusal in a row). A refused
 batch (a pod attempt the server says was never here, a time it finds far in the future)
 is split per container, and only the refused containers' samples are dropped.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -56,6 +58,8 @@ DEFAULT_INTERVAL_SECONDS = 5.0
 #: One POST carries up to the server's maximum: fewer, bigger batches cost the server
 #: one fencing read, one validation query and one INSERT each.
 BATCH_SAMPLES = MAX_BATCH_SAMPLES
+#: The longest wait after refusals in a row from a busy server (503 + Retry-After).
+MAX_BACKOFF_SECONDS = 60.0
 
 
 # -- cgroups -----------------------------------------------------------------------------
@@ -236,9 +240,14 @@ class UsageReporter:
 
     def __init__(self, conn: Connection, spool: UsageSpool, sampler: PodSampler,
                  targets: Callable[[], Iterable[Target]], interval: float,
-                 stop: threading.Event, live: Callable[[], set[str]]) -> None:
+                 stop: threading.Event, live: Callable[[], set[str]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.conn, self.spool, self.sampler = conn, spool, sampler
         self.targets, self.interval, self.stop, self.live = targets, interval, stop, live
+        self.clock = clock
+        #: No send before this (the server's Retry-After, backed off while it refuses).
+        self.not_before = float("-inf")
+        self._refusals = 0
 
     def run(self) -> None:
         while not self.stop.wait(self.interval):
@@ -270,7 +279,7 @@ class UsageReporter:
 
     def send(self) -> None:
         """Everything pending, in batches; containers the server refuses are dropped."""
-        while True:
+        while self.clock() >= self.not_before:
             batch = self.spool.pending(BATCH_SAMPLES)
             if not batch:
                 return
@@ -281,6 +290,16 @@ class UsageReporter:
                 self._send_apart(batch, result)
                 continue
             self._acknowledge(batch)
+            self._refusals = 0
+
+    def _back_off(self, retry_after: float | None) -> None:
+        """A busy server (503/429): nothing is sent before its ``Retry-After``, doubled
+        for each refusal in a row (up to ``MAX_BACKOFF_SECONDS``); the samples stay in
+        the spool meanwhile, and sampling goes on."""
+        self._refusals += 1
+        wait = (retry_after if retry_after is not None else self.interval)
+        wait = min(MAX_BACKOFF_SECONDS, wait * 2 ** (self._refusals - 1))
+        self.not_before = self.clock() + max(wait, retry_after or 0.0)
 
     def _send_apart(self, batch: list[UsageSample], refused: _Refused) -> None:
         """Each container's samples alone: drop only those the server refuses."""
@@ -325,7 +344,9 @@ class UsageReporter:
             except (InvalidInput, NotFound, Conflict) as error:
                 return _Refused(error.message)
             except ApiError as error:
-                if not is_transient(error):
+                if error.status in (429, 503):
+                    self._back_off(error.retry_after)
+                elif not is_transient(error):
                     log.warning("sending usage failed: %s", error.message)
                 log.debug("sending usage: %s; next round", error.message)
                 return None

@@ -8,6 +8,12 @@ the server may not have: a torn last line was never sent and is dropped, lines a
 below the acknowledged sequence are dropped on load (the crash came between saving the
 state and rewriting the file), and everything else is sent again — the server stores a
 (pod, attempt, seq) once, so a resend never counts twice.
+
+A full disk (ENOSPC) is an error the caller logs, never a corrupt spool: a failed append
+is cut off again (truncating needs no space), so the file keeps whole lines and the
+sample is simply not taken (the next one carries the cumulative counters); a failed
+rewrite or state save leaves the previous file in place (replaced only once complete) and
+no temporary file behind. When space returns, the next round carries on.
 """
 
 from __future__ import annotations
@@ -47,10 +53,17 @@ class UsageSpool:
         """Take the next sequence number, build the sample with it, and make it durable."""
         stream = self._stream(cid)
         sample = make(stream.next_seq)
-        with self._lines(cid).open("a") as out:
-            out.write(sample.model_dump_json() + "\n")
-            out.flush()
-            os.fsync(out.fileno())
+        fd = os.open(self._lines(cid), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            whole = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                _write_all(fd, (sample.model_dump_json() + "\n").encode())
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, whole)  # no torn line for the next append to glue onto
+                raise
+        finally:
+            os.close(fd)
         stream.next_seq = sample.seq + 1
         stream.pending.append(sample)
         return sample
@@ -115,40 +128,65 @@ class UsageSpool:
         except (OSError, ValueError, KeyError, TypeError) as error:
             log.warning("usage spool %s: unreadable state (%s); resending all it holds", cid,
                         error)
-        samples, torn = self._read_lines(cid)
+        samples, whole = self._read_lines(cid)
         stream.pending = [s for s in samples if s.seq > stream.acked]
         if samples:
             stream.next_seq = max(stream.next_seq, samples[-1].seq + 1)
-        if torn:
-            self._rewrite(cid, stream.pending)
+        if whole is not None:
+            try:
+                self._rewrite(cid, stream.pending)
+            except OSError:  # a full disk: cutting the torn tail off needs no space
+                os.truncate(self._lines(cid), whole)
         return stream
 
-    def _read_lines(self, cid: str) -> tuple[list[UsageSample], bool]:
-        """The whole lines of the file, and whether a torn (unparsable) tail was left."""
+    def _read_lines(self, cid: str) -> tuple[list[UsageSample], int | None]:
+        """The whole lines of the file, and where they end when a torn (unparsable) tail
+        follows them (None when there is none)."""
         try:
-            text = self._lines(cid).read_text()
+            data = self._lines(cid).read_bytes()
         except FileNotFoundError:
-            return [], False
+            return [], None
         samples: list[UsageSample] = []
-        for line in text.splitlines():
+        end = 0
+        for line in data.splitlines(keepends=True):
             try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no newline")
                 samples.append(UsageSample.model_validate_json(line))
-            except ValidationError:
-                return samples, True
-        return samples, False
+            except (ValidationError, ValueError):
+                return samples, end
+            end += len(line)
+        return samples, None
 
     def _rewrite(self, cid: str, samples: list[UsageSample]) -> None:
-        temporary = self._lines(cid).with_name(f".{cid}.jsonl.tmp")
-        with temporary.open("w") as out:
-            out.writelines(s.model_dump_json() + "\n" for s in samples)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, self._lines(cid))
+        _write_durably(self._lines(cid),
+                       "".join(s.model_dump_json() + "\n" for s in samples))
 
     def _save_state(self, cid: str, stream: _Stream) -> None:
-        temporary = self._state(cid).with_name(f".{cid}.state.tmp")
-        with temporary.open("w") as out:
-            json.dump({"next_seq": stream.next_seq, "acked": stream.acked}, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, self._state(cid))
+        _write_durably(self._state(cid),
+                       json.dumps({"next_seq": stream.next_seq, "acked": stream.acked}))
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically (a temporary file, fsynced, renamed); on a
+    failure (a full disk) the old file stays and the temporary one is removed."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (a nearly full disk writes part of it
+    and fails on the rest); unbuffered, so nothing is left to fail again at close."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

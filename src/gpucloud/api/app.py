@@ -14,13 +14,14 @@ from fastapi import FastAPI
 from gpucloud import __version__
 from gpucloud.access import gateway
 from gpucloud.access.proxy import ProxyMiddleware
-from gpucloud.api import errors, openapi
+from gpucloud.api import errors, openapi, usage_admission
 from gpucloud.api import metrics as metrics_routes
 from gpucloud.api.limits import BodyLimitMiddleware
 from gpucloud.api.routers import access as access_routes
 from gpucloud.api.routers import agent, jobs, nodes, pods, policy, projects
 from gpucloud.api.routers import billing as billing_routes
 from gpucloud.api.routers import checkpoints as checkpoint_routes
+from gpucloud.api.routers import endpoints as endpoint_routes
 from gpucloud.api.routers import registry_auths as registry_auth_routes
 from gpucloud.api.routers import ssh_keys as ssh_key_routes
 from gpucloud.api.routers import templates as template_routes
@@ -28,6 +29,8 @@ from gpucloud.api.routers import volumes as volume_routes
 from gpucloud.compat.runpod import graphql as runpod_graphql
 from gpucloud.compat.runpod import rest_v1 as runpod_rest_v1
 from gpucloud.compat.runpod import rest_v2 as runpod_rest_v2
+from gpucloud.compat.runpod import serverless as runpod_serverless
+from gpucloud.console import routes as console_routes
 from gpucloud.controllers.loops import ControllerRunner
 from gpucloud.core import redact
 from gpucloud.core.clock import Clock, SystemClock
@@ -93,12 +96,15 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
             ctx.db.dispose()
 
     # Request lines (uvicorn's access log, httpx's) may hold the proxy's ?gpucloud_token=.
-    redact.install("uvicorn.access", "uvicorn.error", "asyncssh", "httpx", "httpcore")
+    redact.install("uvicorn.access", "uvicorn.error", "asyncssh", "httpx", "httpcore", "httpx2",
+                   "httpcore2")
     app = FastAPI(title="gpucloud", version=__version__, lifespan=lifespan)
     errors.install(app)
     openapi.install(app)
     app.add_middleware(BodyLimitMiddleware)
     app.add_middleware(metrics_routes.MetricsMiddleware)
+    # API calls make usage ingest yield (api/usage_admission.py).
+    app.add_middleware(usage_admission.ApiActivityMiddleware)
     # Requests for pods' HTTP ports (by Host or /proxy/…) never reach the routers, nor
     # the body limit (added last, so outermost).
     app.add_middleware(ProxyMiddleware)
@@ -116,4 +122,9 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
     app.include_router(runpod_graphql.router)  # RunPod's POST /graphql (docs/runpod.md)
     app.include_router(runpod_rest_v2.router)  # RunPod's REST under /runpod/v2, /runpod/v1
     app.include_router(runpod_rest_v1.router)
+    app.include_router(endpoint_routes.router)
+    app.include_router(runpod_serverless.router)  # RunPod's serverless /v2 (docs/serverless.md)
+    # The web console (docs/console.md) and `/` → `/console`; not in the OpenAPI schema.
+    app.include_router(console_routes.router)
+    app.mount("/console/static", console_routes.static, name="console-static")
     return app

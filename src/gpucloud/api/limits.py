@@ -35,6 +35,9 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 #: Routes whose strings may carry NUL: pod output.
 _NUL_ALLOWED = re.compile(r"^/v1/agent/pods/[^/]+/logs$")
+#: Routes whose models and service make the same checks themselves, off the event loop
+#: (usage batches: thousands of values each; api/usage_admission.py, core/usage.py).
+CHECKED_BY_ROUTE = frozenset({"/v1/agent/usage"})
 _JSON_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 
 
@@ -63,7 +66,8 @@ class BodyLimitMiddleware:
             await _send_error(send, 413, too_large_detail(limit))
             return
         receive = _counting(receive, limit)
-        if scope["method"] in _JSON_METHODS and _is_json(scope):
+        if (scope["method"] in _JSON_METHODS and _is_json(scope)
+                and scope["path"] not in CHECKED_BY_ROUTE):
             try:
                 body = await _read_body(receive)
             except HTTPException as error:

@@ -6,15 +6,8 @@ from typing import Annotated
 
 import typer
 
-from gpucloud.cli.common import (
-    OutputFormat,
-    OutputOption,
-    cli_errors,
-    client,
-    emit,
-    emit_table,
-    fields,
-)
+from gpucloud.cli import resources
+from gpucloud.cli.common import OutputFormat, OutputOption, cli_errors, client, emit, fields
 from gpucloud.core.checkpoints import CheckpointDetailOut
 from gpucloud.core.quantities import format_memory
 
@@ -30,13 +23,13 @@ def _cost(seconds: float | None) -> str | None:
 @app.command("list")
 def list_(pod: PodArg, output: OutputOption = OutputFormat.TABLE) -> None:
     """List a pod's checkpoints, newest first."""
-    with cli_errors():
-        emit_table(client().list_checkpoints(pod), output,
-                   ["ID", "ATTEMPT", "SEQ", "STATE", "SIZE", "SENT", "FILES", "COST", "NODE",
-                    "CREATED"],
-                   lambda c: [c.id[:12], c.attempt, c.seq, c.state, format_memory(c.size_bytes),
-                              format_memory(c.bytes_sent), c.files, _cost(c.cost_seconds),
-                              c.node, c.created_at.isoformat(timespec="seconds")])
+    resources.list_rows(lambda api: api.list_checkpoints(pod), output,
+                        ["ID", "ATTEMPT", "SEQ", "STATE", "SIZE", "SENT", "FILES", "COST",
+                         "NODE", "CREATED"],
+                        lambda c: [c.id[:12], c.attempt, c.seq, c.state,
+                                   format_memory(c.size_bytes), format_memory(c.bytes_sent),
+                                   c.files, _cost(c.cost_seconds), c.node,
+                                   c.created_at.isoformat(timespec="seconds")])
 
 
 def _show(checkpoint: CheckpointDetailOut) -> None:
@@ -58,9 +51,7 @@ def get(pod: PodArg,
         checkpoint: Annotated[str, typer.Argument(help="Checkpoint id")] = "latest",
         output: OutputOption = OutputFormat.TABLE) -> None:
     """Show a checkpoint (default: the pod's latest committed one) and its files."""
-    with cli_errors():
-        found = client().get_checkpoint(pod, checkpoint)
-        emit(found, output, lambda: _show(found))
+    resources.show(lambda api: api.get_checkpoint(pod, checkpoint), output, _show)
 
 
 @app.command()

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from gpucloud.cli import resources
 from gpucloud.cli.common import (
     EVENT_TIME_FORMAT,
     FOLLOW_POLL_SECONDS,
@@ -17,8 +18,6 @@ from gpucloud.cli.common import (
     cli_errors,
     client,
     emit,
-    emit_deleted,
-    emit_table,
     fields,
     table,
 )
@@ -84,27 +83,23 @@ def create(
 @app.command("list")
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's jobs."""
-    with cli_errors():
-        emit_table(client().list_jobs(), output,
-                   ["NAME", "ID", "PHASE", "NODES", "GPUS/NODE", "TOPOLOGY", "RESTARTS", "REASON"],
-                   lambda j: [j.name, j.id[:12], j.phase, j.nodes, j.gpus_per_node,
-                              j.topology.value, j.restarts, j.reason])
+    resources.list_rows(lambda api: api.list_jobs(), output,
+                        ["NAME", "ID", "PHASE", "NODES", "GPUS/NODE", "TOPOLOGY", "RESTARTS",
+                         "REASON"],
+                        lambda j: [j.name, j.id[:12], j.phase, j.nodes, j.gpus_per_node,
+                                   j.topology.value, j.restarts, j.reason])
 
 
 @app.command()
 def get(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Show one job (by id or name) and its members."""
-    with cli_errors():
-        found = client().get_job(job)
-        emit(found, output, lambda: _show_job(found))
+    resources.show(lambda api: api.get_job(job), output, _show_job)
 
 
 @app.command()
 def why(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Why a job is pending: what the gang needs and what the cluster offers."""
-    with cli_errors():
-        answer = client().job_why(job)
-        emit(answer, output, lambda: typer.echo(answer.summary))
+    resources.say(lambda api: api.job_why(job), output, lambda answer: answer.summary)
 
 
 @app.command()
@@ -145,13 +140,10 @@ def _follow(api: GpucloudClient, job: str, tail: int | None) -> None:
 @app.command()
 def events(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """What happened to the job's members, oldest first, each with its rank."""
-    with cli_errors():
-        items = client().job_events(job)
-        emit(items, output, lambda: table(
-            ["TIME", "RANK", "FROM", "TO", "REASON", "MESSAGE"],
-            [[e.time.strftime(EVENT_TIME_FORMAT), e.rank, e.from_phase, e.to_phase,
-              e.reason, e.message] for e in items],
-        ))
+    resources.list_rows(lambda api: api.job_events(job), output,
+                        ["TIME", "RANK", "FROM", "TO", "REASON", "MESSAGE"],
+                        lambda e: [e.time.strftime(EVENT_TIME_FORMAT), e.rank, e.from_phase,
+                                   e.to_phase, e.reason, e.message])
 
 
 @app.command()
@@ -166,6 +158,4 @@ def stop(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
 @app.command()
 def delete(job: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Delete a job and its members; running members are stopped."""
-    with cli_errors():
-        client().delete_job(job)
-        emit_deleted("job", job, output)
+    resources.delete(lambda api: api.delete_job(job), "job", job, output)

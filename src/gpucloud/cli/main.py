@@ -9,6 +9,7 @@ import typer
 from gpucloud.cli import agent as agent_cli
 from gpucloud.cli import bench, gpu, image, job, node, pod, policy, project, server, sim, up
 from gpucloud.cli import checkpoint as checkpoint_cli
+from gpucloud.cli import endpoint as endpoint_cli
 from gpucloud.cli import lazyfs as lazyfs_cli
 from gpucloud.cli import price as price_cli
 from gpucloud.cli import registry_auth as registry_auth_cli
@@ -38,6 +39,7 @@ app.add_typer(job.app, name="job")
 app.add_typer(volume_cli.app, name="volume")
 app.add_typer(checkpoint_cli.app, name="checkpoint")
 app.add_typer(template_cli.app, name="template")
+app.add_typer(endpoint_cli.app, name="endpoint")
 app.add_typer(registry_auth_cli.app, name="registry-auth")
 app.add_typer(policy.priority_app, name="priority-class")
 app.add_typer(policy.quota_app, name="quota")

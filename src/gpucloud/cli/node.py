@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
 
-from gpucloud.cli.common import OutputFormat, OutputOption, cli_errors, client, emit, fields, table
+from gpucloud.cli import resources
+from gpucloud.cli.common import (
+    CliError,
+    OutputFormat,
+    OutputOption,
+    cli_errors,
+    client,
+    emit,
+    fields,
+)
 from gpucloud.core.models import NodeOut
 from gpucloud.core.quantities import format_memory
 
@@ -32,13 +43,18 @@ def _show(node: NodeOut) -> None:
         ("lease until", node.lease_expires_at.isoformat(timespec="seconds")
          if node.lease_expires_at else None),
         ("drain", _drain_summary(node)),
+        ("cordon reason", node.cordon_reason),
         ("mig policy", node.mig_policy),
         ("mig-capable gpus", sum(1 for gpu in node.gpus if gpu.mig_capable)),
     ])
     for gpu in node.gpus:
         peers = ",".join(map(str, gpu.nvlink_peers)) or "-"
+        health = "" if gpu.healthy else f" UNHEALTHY ({gpu.health_reason or 'checks failed'})"
         typer.echo(f"  gpu {gpu.index}: {gpu.model} {gpu.memory_mib} MiB numa {gpu.numa_node} "
-                   f"nvlink [{peers}] {gpu.uuid}")
+                   f"nvlink [{peers}] {gpu.uuid}{health}")
+        if gpu.maintenance is not None:
+            typer.echo(f"    {gpu.maintenance.action} {gpu.maintenance.state} "
+                       f"(asked {gpu.maintenance.requested_at.isoformat(timespec='seconds')})")
         for mig in gpu.mig_instances:
             typer.echo(f"    mig {mig.profile} slot {mig.slot}: {mig.mig_uuid}")
 
@@ -76,61 +92,53 @@ def join_token(
 @join_tokens.command("list")
 def list_join_tokens(output: OutputOption = OutputFormat.TABLE) -> None:
     """Join tokens: prefix, uses, expiry, revocation (never their values)."""
-    with cli_errors():
-        tokens = client().list_join_tokens()
-        emit(tokens, output, lambda: table(
-            ["ID", "PREFIX", "USES", "EXPIRES", "REVOKED"],
-            [[t.id, t.prefix or "-", f"{t.uses}/{t.max_uses if t.max_uses else 'any'}",
-              t.expires_at.isoformat(timespec="seconds"),
-              t.revoked_at.isoformat(timespec="seconds") if t.revoked_at else "no"]
-             for t in tokens]))
+    resources.list_rows(lambda api: api.list_join_tokens(), output,
+                        ["ID", "PREFIX", "USES", "EXPIRES", "REVOKED"],
+                        lambda t: [t.id, t.prefix or "-",
+                                   f"{t.uses}/{t.max_uses if t.max_uses else 'any'}",
+                                   t.expires_at.isoformat(timespec="seconds"),
+                                   t.revoked_at.isoformat(timespec="seconds")
+                                   if t.revoked_at else "no"])
 
 
 @join_tokens.command("revoke")
 def revoke_join_token(token: Annotated[str, typer.Argument(help="id or printed prefix")],
                       output: OutputOption = OutputFormat.TABLE) -> None:
     """Refuse a join token from now on (nodes it registered keep working)."""
-    with cli_errors():
-        revoked = client().revoke_join_token(token)
-        emit(revoked, output, lambda: typer.echo(f"join token {revoked.prefix or revoked.id} "
-                                                 "revoked"))
+    resources.say(lambda api: api.revoke_join_token(token), output,
+                  lambda revoked: f"join token {revoked.prefix or revoked.id} revoked")
 
 
 @app.command("list")
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List nodes."""
-    with cli_errors():
-        nodes = client().list_nodes()
-        emit(nodes, output, lambda: table(
-            ["NAME", "STATUS", "CORDONED", "GPUS", "ALLOCATED", "CPU", "MEMORY", "ADDRESS"],
-            [[n.name, n.status, "yes" if n.cordoned else "no", _gpu_summary(n),
-              f"{n.gpus_allocated}/{len(n.gpus)}", f"{n.cpu_cores:g}",
-              format_memory(n.memory_bytes), n.address] for n in nodes],
-        ))
+    resources.list_rows(lambda api: api.list_nodes(), output,
+                        ["NAME", "STATUS", "CORDONED", "GPUS", "ALLOCATED", "CPU", "MEMORY",
+                         "ADDRESS"],
+                        lambda n: [n.name, n.status, "yes" if n.cordoned else "no",
+                                   _gpu_summary(n), f"{n.gpus_allocated}/{len(n.gpus)}",
+                                   f"{n.cpu_cores:g}", format_memory(n.memory_bytes),
+                                   n.address])
 
 
 @app.command()
 def get(node: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Show one node with its GPUs."""
-    with cli_errors():
-        found = client().get_node(node)
-        emit(found, output, lambda: _show(found))
+    resources.show(lambda api: api.get_node(node), output, _show)
 
 
 @app.command()
 def cordon(node: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Stop placing new pods on a node (running pods stay)."""
-    with cli_errors():
-        found = client().cordon(node, True)
-        emit(found, output, lambda: typer.echo(f"node {found.name} cordoned"))
+    resources.say(lambda api: api.cordon(node, True), output,
+                  lambda found: f"node {found.name} cordoned")
 
 
 @app.command()
 def uncordon(node: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Place pods on a node again."""
-    with cli_errors():
-        found = client().cordon(node, False)
-        emit(found, output, lambda: typer.echo(f"node {found.name} uncordoned"))
+    resources.say(lambda api: api.cordon(node, False), output,
+                  lambda found: f"node {found.name} uncordoned")
 
 
 @app.command()
@@ -140,9 +148,74 @@ def mig(node: str,
                                           "off (no MIG pods)")],
         output: OutputOption = OutputFormat.TABLE) -> None:
     """Set a node's MIG policy (switching a GPU's MIG mode stays a drain-time admin step)."""
+    resources.say(lambda api: api.set_mig_policy(node, mode), output,
+                  lambda found: f"node {found.name} mig policy {found.mig_policy}")
+
+
+#: How the GPU action commands wait for the agent's answer (tests replace ``pause``).
+pause: Callable[[float], None] = time.sleep
+ACTION_POLL_SECONDS = 0.5
+
+
+def _maintenance_lines(node: NodeOut, ids: set[str]) -> list[str]:
+    """``gpu 3 reset passed: …`` for the GPUs whose maintenance is one of ``ids``."""
+    lines = []
+    for gpu in node.gpus:
+        done = gpu.maintenance
+        if done is not None and done.id in ids:
+            output = (done.output or "").strip().splitlines()
+            lines.append(f"gpu {gpu.index} {done.action} {done.state}"
+                         + (f": {output[-1]}" if output else ""))
+    return lines
+
+
+def _run_action(node: str, action: str, gpu: int | None, level: int, wait: float,
+                output: OutputFormat) -> None:
+    """Ask for the action, then wait (up to ``wait`` seconds) for the agent's answer;
+    exit 1 when it failed or did not come."""
+    sdk = client()
+    asked = sdk.gpu_action(node, action, gpu, level)
+    ids = {g.maintenance.id for g in asked.gpus
+           if g.maintenance is not None and g.maintenance.state == "requested"}
+    found, deadline = asked, time.monotonic() + wait
+    while wait > 0 and time.monotonic() < deadline:
+        found = sdk.get_node(node)
+        states = [g.maintenance.state for g in found.gpus
+                  if g.maintenance is not None and g.maintenance.id in ids]
+        if "requested" not in states:
+            break
+        pause(ACTION_POLL_SECONDS)
+    emit(found, output, lambda: typer.echo("\n".join(_maintenance_lines(found, ids))))
+    final = {str(g.maintenance.state) for g in found.gpus
+             if g.maintenance is not None and g.maintenance.id in ids}
+    if wait > 0 and final != {"passed"}:
+        raise CliError(f"{action} on node {node}: " + (
+            "the agent did not answer in time" if "requested" in final else "failed"))
+
+
+WaitOption = Annotated[float, typer.Option(
+    "--wait", min=0, help="Seconds to wait for the agent's answer (0: do not wait)")]
+
+
+@app.command("gpu-reset")
+def gpu_reset(node: str, gpu: Annotated[int, typer.Argument(min=0, help="GPU index")],
+              level: Annotated[int, typer.Option(min=1, max=3, help="diag level after the "
+                                                 "reset (1 quick, 2 medium)")] = 1,
+              wait: WaitOption = 300, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Reset an idle GPU and run a diag (nvidia-smi, dcgmi on the node); the GPU is back
+    in service when the diag passes."""
     with cli_errors():
-        found = client().set_mig_policy(node, mode)
-        emit(found, output, lambda: typer.echo(f"node {found.name} mig policy {found.mig_policy}"))
+        _run_action(node, "reset", gpu, level, wait, output)
+
+
+@app.command()
+def diag(node: str, gpu: Annotated[int | None, typer.Option(min=0, help="GPU index "
+                                                            "(default: every GPU)")] = None,
+         level: Annotated[int, typer.Option(min=1, max=3, help="1 quick, 2 medium")] = 1,
+         wait: WaitOption = 300, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Run a diag on a node's GPUs through its agent; a GPU that passes is back in service."""
+    with cli_errors():
+        _run_action(node, "diag", gpu, level, wait, output)
 
 
 def _drain_summary(node: NodeOut) -> str | None:
@@ -168,15 +241,12 @@ def drain(node: str, deadline: Annotated[str | None, typer.Option(
           output: OutputOption = OutputFormat.TABLE) -> None:
     """Move every pod off a node: cordon, notice (checkpoint, SIGTERM), restart elsewhere;
     the node is Drained once empty."""
-    with cli_errors():
-        found = client().drain(node, deadline)
-        emit(found, output, lambda: typer.echo(
-            f"node {found.name} {found.status}: {_drain_summary(found)}"))
+    resources.say(lambda api: api.drain(node, deadline), output,
+                  lambda found: f"node {found.name} {found.status}: {_drain_summary(found)}")
 
 
 @app.command()
 def undrain(node: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """End a node's drain and place pods on it again."""
-    with cli_errors():
-        found = client().undrain(node)
-        emit(found, output, lambda: typer.echo(f"node {found.name} undrained ({found.status})"))
+    resources.say(lambda api: api.undrain(node), output,
+                  lambda found: f"node {found.name} undrained ({found.status})")

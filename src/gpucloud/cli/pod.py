@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gpucloud.cli import pod_access
+from gpucloud.cli import pod_access, resources
 from gpucloud.cli.common import (
     EVENT_TIME_FORMAT,
     FOLLOW_POLL_SECONDS,
@@ -19,7 +19,6 @@ from gpucloud.cli.common import (
     client,
     emit,
     fields,
-    table,
 )
 from gpucloud.cli.spec import GPUS_PORTS, SCHEDULING, SPEC, SpecValues, build_request, spec_options
 from gpucloud.core.models import PodCreateRequest, PodOut
@@ -108,41 +107,31 @@ def create(
 def list_(phase: Annotated[str | None, typer.Option(help="Only pods in this phase")] = None,
           output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's pods."""
-    with cli_errors():
-        pods = client().list_pods(phase)
-        emit(pods, output, lambda: table(
-            ["NAME", "ID", "PHASE", "NODE", "GPUS", "IMAGE", "REASON"],
-            [[p.name, p.id[:12], p.phase, p.node, f"{p.gpus:g}", p.image, p.reason]
-             for p in pods],
-        ))
+    resources.list_rows(lambda api: api.list_pods(phase), output,
+                        ["NAME", "ID", "PHASE", "NODE", "GPUS", "IMAGE", "REASON"],
+                        lambda p: [p.name, p.id[:12], p.phase, p.node, f"{p.gpus:g}", p.image,
+                                   p.reason])
 
 
 @app.command()
 def get(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Show one pod (by id or name)."""
-    with cli_errors():
-        found = client().get_pod(pod)
-        emit(found, output, lambda: _show_pod(found))
+    resources.show(lambda api: api.get_pod(pod), output, _show_pod)
 
 
 @app.command()
 def events(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """The pod's phase changes, with times and reasons."""
-    with cli_errors():
-        items = client().pod_events(pod)
-        emit(items, output, lambda: table(
-            ["TIME", "FROM", "TO", "REASON", "MESSAGE"],
-            [[e.time.strftime(EVENT_TIME_FORMAT), e.from_phase, e.to_phase, e.reason,
-              e.message] for e in items],
-        ))
+    resources.list_rows(lambda api: api.pod_events(pod), output,
+                        ["TIME", "FROM", "TO", "REASON", "MESSAGE"],
+                        lambda e: [e.time.strftime(EVENT_TIME_FORMAT), e.from_phase, e.to_phase,
+                                   e.reason, e.message])
 
 
 @app.command()
 def why(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Why a pod is pending: how many nodes were rejected for each reason."""
-    with cli_errors():
-        answer = client().pod_why(pod)
-        emit(answer, output, lambda: typer.echo(answer.summary))
+    resources.say(lambda api: api.pod_why(pod), output, lambda answer: answer.summary)
 
 
 @app.command()
@@ -208,6 +197,4 @@ def start(
 @app.command()
 def delete(pod: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Delete a pod; a running one is stopped."""
-    with cli_errors():
-        client().delete_pod(pod)
-        emit({"deleted": pod}, output, lambda: typer.echo(f"pod {pod} deleted"))
+    resources.delete(lambda api: api.delete_pod(pod), "pod", pod, output)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
+from gpucloud.cli import resources
 from gpucloud.cli.common import (
     CliError,
     OutputFormat,
@@ -15,8 +15,8 @@ from gpucloud.cli.common import (
     client,
     emit,
     table,
-    validation_message,
 )
+from gpucloud.cli.spec import build_request
 from gpucloud.core.policy import PriorityClassCreateRequest, QuotaOut, QuotaSetRequest
 
 priority_app = typer.Typer(help="Priority classes: who may preempt whom.",
@@ -28,11 +28,9 @@ quota_app = typer.Typer(help="Project quotas: guaranteed GPUs and borrowing.",
 @priority_app.command("list")
 def list_classes(output: OutputOption = OutputFormat.TABLE) -> None:
     """List priority classes, lowest first."""
-    with cli_errors():
-        items = client().list_priority_classes()
-        emit(items, output, lambda: table(
-            ["NAME", "VALUE", "DESCRIPTION"],
-            [[c.name, c.value, c.description or ""] for c in items]))
+    resources.list_rows(lambda api: api.list_priority_classes(), output,
+                        ["NAME", "VALUE", "DESCRIPTION"],
+                        lambda c: [c.name, c.value, c.description or ""])
 
 
 @priority_app.command("create")
@@ -44,11 +42,8 @@ def create_class(
 ) -> None:
     """Create a priority class (admin only)."""
     with cli_errors():
-        try:
-            request = PriorityClassCreateRequest(name=name, value=value,
-                                                 description=description)
-        except ValidationError as error:
-            raise CliError(validation_message(error)) from None
+        request = build_request(PriorityClassCreateRequest, {
+            "name": name, "value": value, "description": description})
         created = client().create_priority_class(request)
         emit(created, output, lambda: typer.echo(
             f"priority class {created.name} created ({created.value})"))
@@ -62,6 +57,9 @@ def _gpus(specs: list[str]) -> dict[str, int]:
             raise CliError(f"--gpus {spec!r}: expected MODEL=COUNT, e.g. H100-80GB=8")
         gpus[model.strip()] = int(count)
     return gpus
+
+
+QUOTA_COLUMNS = ["PROJECT", "GPUS (USED/QUOTA)", "BORROW LIMIT"]
 
 
 def _quota_row(quota: QuotaOut) -> list[object]:
@@ -82,19 +80,13 @@ def set_quota(
 ) -> None:
     """Set a project's quota (admin only): gpucloud quota set team-a --gpus H100-80GB=8"""
     with cli_errors():
-        try:
-            request = QuotaSetRequest(gpus=_gpus(gpus or []), borrow_limit=borrow_limit)
-        except ValidationError as error:
-            raise CliError(validation_message(error)) from None
+        request = build_request(QuotaSetRequest, {"gpus": _gpus(gpus or []),
+                                                  "borrow_limit": borrow_limit})
         quota = client().set_quota(project, request)
-        emit(quota, output, lambda: table(["PROJECT", "GPUS (USED/QUOTA)", "BORROW LIMIT"],
-                                          [_quota_row(quota)]))
+        emit(quota, output, lambda: table(QUOTA_COLUMNS, [_quota_row(quota)]))
 
 
 @quota_app.command("list")
 def list_quotas(output: OutputOption = OutputFormat.TABLE) -> None:
     """List quotas and what each project uses (admin: all; others: their own)."""
-    with cli_errors():
-        items = client().list_quotas()
-        emit(items, output, lambda: table(["PROJECT", "GPUS (USED/QUOTA)", "BORROW LIMIT"],
-                                          [_quota_row(q) for q in items]))
+    resources.list_rows(lambda api: api.list_quotas(), output, QUOTA_COLUMNS, _quota_row)

@@ -8,16 +8,8 @@ from typing import Annotated
 
 import typer
 
-from gpucloud.cli.common import (
-    CliError,
-    OutputFormat,
-    OutputOption,
-    cli_errors,
-    client,
-    emit,
-    emit_deleted,
-    emit_table,
-)
+from gpucloud.cli import resources
+from gpucloud.cli.common import CliError, OutputFormat, OutputOption, cli_errors, client, emit
 from gpucloud.cli.spec import build_request
 from gpucloud.core.spec import RegistryAuthAddRequest
 
@@ -52,16 +44,14 @@ def add(
 @app.command("list")
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's registry credentials (passwords are never shown)."""
-    with cli_errors():
-        emit_table(client().list_registry_auths(), output,
-                   ["NAME", "USERNAME", "REGISTRY", "CREATED"],
-                   lambda a: [a.name, a.username, a.registry or "(the image's)",
-                              a.created_at.isoformat(timespec="seconds")])
+    resources.list_rows(lambda api: api.list_registry_auths(), output,
+                        ["NAME", "USERNAME", "REGISTRY", "CREATED"],
+                        lambda a: [a.name, a.username, a.registry or "(the image's)",
+                                   a.created_at.isoformat(timespec="seconds")])
 
 
 @app.command()
 def remove(name: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Remove credentials; pods that named them pull without from then on."""
-    with cli_errors():
-        client().remove_registry_auth(name)
-        emit_deleted("registry auth", name, output, verb="removed")
+    resources.delete(lambda api: api.remove_registry_auth(name), "registry auth", name, output,
+                     verb="removed")

@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
+from gpucloud.cli import resources
 from gpucloud.cli.common import OutputFormat, OutputOption, cli_errors, client, emit, fields
 from gpucloud.core.billing import SpendLimitOut
 
@@ -41,9 +42,7 @@ def set_limit(
 @app.command("get")
 def get_limit(project: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """A project's limit, what its admitted pods reserve, and its balance."""
-    with cli_errors():
-        out = client().get_spend_limit(project)
-        emit(out, output, lambda: _show(out))
+    resources.show(lambda api: api.get_spend_limit(project), output, _show)
 
 
 def _money(value: object) -> str | None:

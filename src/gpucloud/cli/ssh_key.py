@@ -8,15 +8,8 @@ from typing import Annotated
 
 import typer
 
-from gpucloud.cli.common import (
-    CliError,
-    OutputFormat,
-    OutputOption,
-    cli_errors,
-    client,
-    emit,
-    emit_table,
-)
+from gpucloud.cli import resources
+from gpucloud.cli.common import CliError, OutputFormat, OutputOption
 from gpucloud.core.access import SshKeyOut
 
 app = typer.Typer(help="SSH keys: who may ssh into the project's pods.",
@@ -44,25 +37,22 @@ def add(
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     """Add an OpenSSH public key (ed25519, ecdsa, rsa >= 2048 bits) to the project."""
-    with cli_errors():
-        key = client().add_ssh_key(_read(source), name)
-        emit(key, output, lambda: typer.echo(f"added {_summary(key)}"))
+    resources.say(lambda api: api.add_ssh_key(_read(source), name), output,
+                  lambda key: f"added {_summary(key)}")
 
 
 @app.command("list")
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """The project's SSH keys."""
-    with cli_errors():
-        emit_table(client().list_ssh_keys(), output,
-                   ["ID", "NAME", "TYPE", "FINGERPRINT", "ADDED"],
-                   lambda k: [k.id, k.name, k.key_type, k.fingerprint,
-                              k.created_at.isoformat(timespec="seconds")])
+    resources.list_rows(lambda api: api.list_ssh_keys(), output,
+                        ["ID", "NAME", "TYPE", "FINGERPRINT", "ADDED"],
+                        lambda k: [k.id, k.name, k.key_type, k.fingerprint,
+                                   k.created_at.isoformat(timespec="seconds")])
 
 
 @app.command()
 def remove(key: Annotated[str, typer.Argument(help="Key id, name or fingerprint")],
            output: OutputOption = OutputFormat.TABLE) -> None:
     """Remove a key; it no longer gets into the project's pods."""
-    with cli_errors():
-        removed = client().remove_ssh_key(key)
-        emit(removed, output, lambda: typer.echo(f"removed {_summary(removed)}"))
+    resources.say(lambda api: api.remove_ssh_key(key), output,
+                  lambda removed: f"removed {_summary(removed)}")

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from gpucloud.cli import resources
 from gpucloud.cli.common import (
     CliError,
     OutputFormat,
@@ -15,8 +16,6 @@ from gpucloud.cli.common import (
     cli_errors,
     client,
     emit,
-    emit_deleted,
-    emit_table,
     fields,
 )
 from gpucloud.cli.spec import GPUS_PORTS, SPEC, SpecValues, build_request, spec_options
@@ -70,24 +69,19 @@ def create(
 @app.command("list")
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's templates."""
-    with cli_errors():
-        emit_table(client().list_templates(), output,
-                   ["NAME", "IMAGE", "GPUS", "PORTS", "VOLUME"],
-                   lambda t: [t.name, t.image, f"{t.gpus:g}", ",".join(t.ports),
-                              _size(t.volume_size)])
+    resources.list_rows(lambda api: api.list_templates(), output,
+                        ["NAME", "IMAGE", "GPUS", "PORTS", "VOLUME"],
+                        lambda t: [t.name, t.image, f"{t.gpus:g}", ",".join(t.ports),
+                                   _size(t.volume_size)])
 
 
 @app.command()
 def get(template: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Show one template (by name or id)."""
-    with cli_errors():
-        found = client().get_template(template)
-        emit(found, output, lambda: _show(found))
+    resources.show(lambda api: api.get_template(template), output, _show)
 
 
 @app.command()
 def delete(template: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Delete a template; pods created from it keep their settings."""
-    with cli_errors():
-        client().delete_template(template)
-        emit_deleted("template", template, output)
+    resources.delete(lambda api: api.delete_template(template), "template", template, output)

@@ -6,15 +6,8 @@ from typing import Annotated
 
 import typer
 
-from gpucloud.cli.common import (
-    OutputFormat,
-    OutputOption,
-    cli_errors,
-    client,
-    emit,
-    emit_deleted,
-    emit_table,
-)
+from gpucloud.cli import resources
+from gpucloud.cli.common import OutputFormat, OutputOption
 from gpucloud.cli.spec import build_request
 from gpucloud.core.access import VolumeCreateRequest
 
@@ -30,25 +23,20 @@ def create(
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     """Create a network volume: gpucloud volume create NAME --size 100Gi [--zone Z]"""
-    with cli_errors():
-        request = build_request(VolumeCreateRequest, {"name": name, "size": size, "zone": zone})
-        volume = client().create_volume(request)
-        emit(volume, output, lambda: typer.echo(
-            f"volume {volume.name} created ({volume.id}): {volume.size}"))
+    resources.say(lambda api: api.create_volume(build_request(
+        VolumeCreateRequest, {"name": name, "size": size, "zone": zone})), output,
+        lambda volume: f"volume {volume.name} created ({volume.id}): {volume.size}")
 
 
 @app.command("list")
 def list_(output: OutputOption = OutputFormat.TABLE) -> None:
     """List the project's network volumes and the live pods mounting them."""
-    with cli_errors():
-        emit_table(client().list_volumes(), output,
-                   ["NAME", "ID", "SIZE", "ZONE", "MOUNTED BY"],
-                   lambda v: [v.name, v.id[:12], v.size, v.zone, ", ".join(v.mounted_by)])
+    resources.list_rows(lambda api: api.list_volumes(), output,
+                        ["NAME", "ID", "SIZE", "ZONE", "MOUNTED BY"],
+                        lambda v: [v.name, v.id[:12], v.size, v.zone, ", ".join(v.mounted_by)])
 
 
 @app.command()
 def delete(name: str, output: OutputOption = OutputFormat.TABLE) -> None:
     """Delete a network volume and its files (refused while a live pod mounts it)."""
-    with cli_errors():
-        client().delete_volume(name)
-        emit_deleted("volume", name, output)
+    resources.delete(lambda api: api.delete_volume(name), "volume", name, output)

@@ -76,6 +76,7 @@ from gpucloud.core.policy import (
     QuotaOut,
     QuotaSetRequest,
 )
+from gpucloud.core.serverless import EndpointCreateRequest, EndpointOut, EndpointUpdateRequest
 from gpucloud.core.spec import (
     RegistryAuthAddRequest,
     RegistryAuthOut,
@@ -90,9 +91,11 @@ T = TypeVar("T")
 class ApiError(GpucloudError):
     """An API error with no more specific class, or no answer at all (status 0)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        #: The server's ``Retry-After`` in seconds (a 503 or 429), None when it sent none.
+        self.retry_after = retry_after
 
 
 #: The error class an HTTP status stands for (422 is ``InvalidInput``, with its field).
@@ -119,7 +122,16 @@ def _raise_for(response: httpx.Response) -> None:
         raise StaleFencingToken(detail)
     if code in ERROR_KINDS:
         raise ERROR_KINDS[code](detail)
-    raise ApiError(code, f"server answered {code}: {detail}")
+    raise ApiError(code, f"server answered {code}: {detail}",
+                   _retry_after(response.headers.get("Retry-After")))
+
+
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in delay-seconds (the HTTP-date form is not used by gpucloud)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 class _Base:
@@ -214,6 +226,12 @@ class GpucloudClient(_Base):
     def set_mig_policy(self, ref: str, mode: str) -> NodeOut:
         """``gpucloud node mig NODE --mode dynamic|fixed|off``."""
         return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/mig", json={"mode": mode})
+
+    def gpu_action(self, ref: str, action: str, gpu: int | None = None,
+                   level: int = 1) -> NodeOut:
+        """``gpucloud node gpu-reset NODE GPU`` (``reset``) / ``node diag`` (``diag``)."""
+        return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/gpu-actions",
+                           json={"action": action, "gpu": gpu, "level": level})
 
     def drain(self, ref: str, deadline: str | float | None = None) -> NodeOut:
         """Drain a node (``deadline``: ``60s``, ``10m``; None: the server's default)."""
@@ -343,6 +361,26 @@ class GpucloudClient(_Base):
 
     def delete_template(self, ref: str) -> None:
         self._call("DELETE", f"/v1/templates/{ref}")
+
+    # serverless endpoints
+
+    def create_endpoint(self, request: EndpointCreateRequest | dict[str, Any]) -> EndpointOut:
+        body = _body(request) if isinstance(request, BaseModel) else request
+        return self._typed(EndpointOut, "POST", "/v1/endpoints", json=body)
+
+    def list_endpoints(self) -> list[EndpointOut]:
+        return self._typed(list[EndpointOut], "GET", "/v1/endpoints")
+
+    def get_endpoint(self, ref: str) -> EndpointOut:
+        return self._typed(EndpointOut, "GET", f"/v1/endpoints/{ref}")
+
+    def update_endpoint(self, ref: str,
+                        request: EndpointUpdateRequest | dict[str, Any]) -> EndpointOut:
+        body = _body(request) if isinstance(request, BaseModel) else request
+        return self._typed(EndpointOut, "PATCH", f"/v1/endpoints/{ref}", json=body)
+
+    def delete_endpoint(self, ref: str) -> None:
+        self._call("DELETE", f"/v1/endpoints/{ref}")
 
     def add_registry_auth(self, request: RegistryAuthAddRequest) -> RegistryAuthOut:
         return self._typed(RegistryAuthOut, "POST", "/v1/registry-auths", json=_body(request))

@@ -6,13 +6,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timedelta
 
 from sqlalchemy.exc import OperationalError
 
+from gpucloud.core.clock import SystemClock
 from gpucloud.scheduler import Scheduler
 from gpucloud.services import (
+    autoscale,
     drain,
     gangs,
     leadership,
@@ -21,6 +25,7 @@ from gpucloud.services import (
     nodes,
     preemption,
     scheduling,
+    serverless_queue,
     spend,
     usage_retention,
 )
@@ -36,6 +41,8 @@ DISRUPTION_FRACTION = 0.55
 DISRUPTION_MIN_NODES = 10
 #: While braked, at most one node is marked Lost per this long.
 SLOW_EVICTION_SECONDS = 30.0
+#: How often the leader looks for lapsed node leases (on its own thread).
+LEASE_TICK_SECONDS = 0.5
 
 
 class SchedulingController:
@@ -152,12 +159,24 @@ class NodeLeaseController:
       ``DISRUPTION_MIN_NODES`` Ready nodes look lost at once, the likelier cause is the
       server side (a stall, a network event), not that many machines: it marks at most one
       node per ``SLOW_EVICTION_SECONDS`` instead of rescheduling the fleet.
+    - Clock jumps: between two ticks the wall clock should move as the monotonic one does.
+      When it moves more than half a TTL more (set forward, or a suspended VM) or less
+      (set back), every lease live before the jump gets one TTL from the new time
+      (``nodes.rebase_leases``) and the brakes' deadlines move with the clock: forwards no
+      healthy node is declared Lost, backwards no lease nor brake lasts until the old
+      time comes round again. ``monotonic`` defaults to ``time.monotonic`` on the system
+      clock and to none (no detection) on a clock a test sets by hand.
     """
 
     name = "node-leases"
 
-    def __init__(self, ctx: ServiceContext, startup_grace_seconds: float | None = None) -> None:
+    def __init__(self, ctx: ServiceContext, startup_grace_seconds: float | None = None,
+                 monotonic: Callable[[], float] | None = None) -> None:
         self.ctx = ctx
+        self._monotonic = monotonic or (time.monotonic if isinstance(ctx.clock, SystemClock)
+                                        else None)
+        self._last_look: tuple[datetime, float] | None = None
+        self._lock = threading.Lock()  # on_new_epoch comes from the leadership thread
         self.startup_grace = timedelta(seconds=ctx.settings.lease_ttl_seconds
                                        if startup_grace_seconds is None
                                        else startup_grace_seconds)
@@ -167,12 +186,19 @@ class NodeLeaseController:
 
     def on_new_epoch(self) -> None:
         """This replica just became the leader: every lease gets a fresh TTL from now."""
-        self._active_since = self.ctx.clock.now()
-        self.startup_grace = max(self.startup_grace,
-                                 timedelta(seconds=self.ctx.settings.lease_ttl_seconds))
+        with self._lock:
+            self._active_since = self.ctx.clock.now()
+            self._last_look = None
+            self.startup_grace = max(self.startup_grace,
+                                     timedelta(seconds=self.ctx.settings.lease_ttl_seconds))
 
     def tick(self) -> list[str]:
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> list[str]:
         now = self.ctx.clock.now()
+        self._watch_clock(now)
         if self._active_since is None:
             self._active_since = now
         if now < self._active_since + self.startup_grace:
@@ -182,6 +208,25 @@ class NodeLeaseController:
         for name in lost:
             log.warning("node %s lost: its lease expired", name)
         return lost
+
+    def _watch_clock(self, now: datetime) -> None:
+        """Detect a clock jump since the last tick and rebase the leases (see the class)."""
+        if self._monotonic is None:
+            return
+        last, self._last_look = self._last_look, (now, self._monotonic())
+        if last is None:
+            return
+        jump = (now - last[0]).total_seconds() - (self._last_look[1] - last[1])
+        if abs(jump) <= self.ctx.settings.lease_ttl_seconds / 2:
+            return
+        shift = timedelta(seconds=jump)
+        if self._active_since is not None:
+            self._active_since += shift
+        if self._next_slow_eviction is not None:
+            self._next_slow_eviction += shift
+        moved = nodes.rebase_leases(self.ctx, alive_at=last[0])
+        log.warning("the clock jumped %+.1f s since the last look: %d node leases now "
+                    "expire one TTL from now", jump, moved)
 
     def _eviction_limit(self, now: datetime) -> int | None:
         """None (no limit) in normal times; 0 or 1 while the disruption brake holds."""
@@ -200,6 +245,38 @@ class NodeLeaseController:
             return 0
         self._next_slow_eviction = now + self.slow_eviction
         return 1
+
+
+class AutoscaleController:
+    """Serverless endpoints: the queue's pass (``serverless_queue.expire``: lapsed leases,
+    timeouts, retention), then the workers' sizes (``services.autoscale``). Webhooks are
+    POSTed on a thread of their own, one delivery pass at a time, so that a slow receiver
+    never holds up scheduling."""
+
+    name = "autoscale"
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self._webhooks = ThreadPoolExecutor(1, thread_name_prefix="webhooks")
+        self._delivering: Future[int] | None = None
+
+    def tick(self) -> list[str]:
+        serverless_queue.expire(self.ctx)
+        done = autoscale.autoscale(self.ctx)
+        if self._delivering is None or self._delivering.done():
+            self._delivering = self._webhooks.submit(serverless_queue.deliver_webhooks,
+                                                     self.ctx)
+            self._delivering.add_done_callback(_log_failure)
+        return done
+
+    def stop(self) -> None:
+        self._webhooks.shutdown(wait=False, cancel_futures=True)
+
+
+def _log_failure(future: Future[int]) -> None:
+    """A pass run on a thread of its own: its failure is logged as the runner's are."""
+    if not future.cancelled() and (error := future.exception()) is not None:
+        log.warning("webhook delivery pass failed: %s", error)
 
 
 class ControllerRunner:
@@ -224,13 +301,19 @@ class ControllerRunner:
         self.drains = DrainController(fenced)
         self.credit = CreditController(fenced)
         self.retention = UsageRetentionController(fenced)
+        self.autoscale = AutoscaleController(fenced)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="controllers", daemon=True)
+        #: Node leases on a thread of their own: a long scheduling pass (a backlog, a slow
+        #: database) must neither delay a real loss past TTL + a tick nor stall the brakes.
+        self._lease_thread = threading.Thread(target=self._run_leases, name="node-leases",
+                                              daemon=True)
 
     def start(self) -> None:
         self.leader.start()
         self._thread.start()
+        self._lease_thread.start()
 
     def wake(self) -> None:
         """Run the next pass now (a pod was created or a node changed)."""
@@ -240,15 +323,17 @@ class ControllerRunner:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self._lease_thread.join(timeout=10)
+        self.autoscale.stop()
         self.leader.stop()
 
     def run_once(self) -> None:
         if self._is_leader():
-            self.leases.tick()
             self.deadlines.tick()
             self.drains.tick()
             self.credit.tick()
             self.retention.tick()
+            self.autoscale.tick()
             self.jobs.tick()
             self.scheduling.tick()
 
@@ -259,6 +344,19 @@ class ControllerRunner:
 
     def _new_epoch(self, _epoch: int) -> None:
         self.leases.on_new_epoch()
+
+    def _run_leases(self) -> None:
+        """``NodeLeaseController.tick`` every ``LEASE_TICK_SECONDS`` while this replica leads."""
+        while not self._stop.wait(min(self.interval, LEASE_TICK_SECONDS)):
+            try:
+                if self._is_leader():
+                    self.leases.tick()
+            except leadership.LeaderLostError as error:
+                log.warning("node lease pass stopped: %s", error)
+            except OperationalError as error:
+                log.warning("node lease pass failed on the database, retrying: %s", error)
+            except Exception:  # noqa: BLE001 - a bug in one pass must not stop the loop
+                log.exception("node lease pass failed")
 
     def _run(self) -> None:
         while not self._stop.is_set():

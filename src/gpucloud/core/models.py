@@ -194,6 +194,9 @@ class GpuInventory(_Request):
     #: What the node's health checks last said (set by the server, not registered).
     healthy: bool = True
     health_reason: str | None = None
+    #: The last admin reset or diag of this GPU (``node gpu-reset`` / ``node diag``; set by
+    #: the server, not registered).
+    maintenance: GpuMaintenance | None = None
 
 
 class NodeRegisterRequest(_Request):
@@ -227,6 +230,51 @@ class NodeRegisterResponse(BaseModel):
     gateway_public_keys: list[str] = Field(default_factory=list)
 
 
+GpuActionKind = Literal["reset", "diag"]
+
+
+class GpuMaintenance(BaseModel):
+    """An admin's reset (then diag) or diag of one GPU, run by its node's agent (gpu/health:
+    ``nvidia-smi --gpu-reset`` and ``dcgmi diag`` on real GPUs, the simulated provider's
+    equivalents otherwise). ``state``: requested (the agent has not answered yet), passed
+    (the GPU is back in service), failed (it stays out); ``output`` what the tools said."""
+
+    id: str
+    action: GpuActionKind
+    level: int = 1
+    state: Literal["requested", "passed", "failed"] = "requested"
+    requested_at: datetime
+    finished_at: datetime | None = None
+    output: str | None = None
+
+
+class GpuAction(BaseModel):
+    """One GPU action for the agent (in its assignments) while the server awaits it."""
+
+    id: str
+    gpu_uuid: str
+    gpu_index: int
+    action: GpuActionKind
+    level: int = 1
+
+
+class GpuActionResult(_Request):
+    """How a GPU action went, reported with the lease renewal until the server has it."""
+
+    id: str = Field(min_length=1, max_length=64)
+    passed: bool
+    output: str | None = Field(default=None, max_length=4000)
+
+
+class NodeGpuActionRequest(_Request):
+    """``gpucloud node gpu-reset NODE GPU`` / ``node diag NODE [--gpu N]``: ``gpu`` is the
+    GPU index (None: every GPU, diag only); ``level`` the diag level (1 quick, 2 medium)."""
+
+    action: GpuActionKind
+    gpu: int | None = Field(default=None, ge=0, le=1024)
+    level: int = Field(default=1, ge=1, le=3)
+
+
 class GpuHealthIn(_Request):
     """One GPU's health as the agent's checks found it (gpu/health)."""
 
@@ -243,6 +291,8 @@ class LeaseRequest(_Request):
     #: it is None again and ``auto_uncordon``, a node cordoned by its checks is uncordoned.
     node_fault: str | None = Field(default=None, max_length=500)
     auto_uncordon: bool = True
+    #: Results of the GPU actions the assignments asked for (until the server has them).
+    gpu_actions: list[GpuActionResult] = Field(default_factory=list, max_length=1024)
 
 
 class LeaseResponse(BaseModel):
@@ -374,6 +424,8 @@ class AssignmentsOut(BaseModel):
     volume_pods: list[str] | None = None
     #: Volume disks here that a migration's destination node may fetch now.
     volume_exports: list[VolumeExport] = Field(default_factory=list)
+    #: GPU resets and diags an admin asked for that the agent has not answered yet.
+    gpu_actions: list[GpuAction] = Field(default_factory=list)
 
 
 class NodeOut(BaseModel):

@@ -79,6 +79,14 @@ class Settings:
     interruption_prior_mtbf_seconds: float = 24 * 3600.0
     checkpoint_interval_min_seconds: float = 60.0
     checkpoint_interval_max_seconds: float | None = None
+    #: The URL serverless workers reach this server at (their RUNPOD_WEBHOOK_* point
+    #: there); None: http://127.0.0.1:8080 (services/autoscale). Env GPUCLOUD_SERVERLESS_URL.
+    serverless_url: str | None = None
+    #: How long a serverless worker's job-take and job-stop long polls are held before a
+    #: 204 (the runpod SDK gives up at 90 s; tests set it short).
+    serverless_long_poll_seconds: float = 30.0
+    #: The most a ``runsync`` is held for its result (RunPod's ``?wait=`` is up to 300 s).
+    serverless_runsync_max_wait_seconds: float = 300.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -113,6 +121,9 @@ class Settings:
                 os.environ.get("GPUCLOUD_CHECKPOINT_INTERVAL_MIN", "60")),
             checkpoint_interval_max_seconds=_optional_float(
                 os.environ.get("GPUCLOUD_CHECKPOINT_INTERVAL_MAX")),
+            serverless_url=os.environ.get("GPUCLOUD_SERVERLESS_URL") or None,
+            serverless_long_poll_seconds=min(85.0, float(
+                os.environ.get("GPUCLOUD_SERVERLESS_LONG_POLL", "30"))),
         )
 
 

@@ -26,30 +26,36 @@ MAX_FUTURE_SKEW_SECONDS = 120.0
 CREDITED_REASONS = frozenset({"GpuFault"})
 
 
+#: PostgreSQL's BIGINT. The ingest route checks its body through these models alone (not
+#: the generic walk of api/limits.py, too slow for thousands of values), so every integer
+#: is bounded here and every string is checked for NUL (services/usage.py).
+BIGINT_MAX = 2**63 - 1
+
+
 class UsageGpu(BaseModel):
     """One assigned GPU as the pod used it: utilisation in percent, memory in bytes."""
 
     uuid: str = Field(min_length=1, max_length=96)
     util_percent: float | None = Field(default=None, ge=0, le=100, allow_inf_nan=False)
-    memory_used_bytes: int | None = Field(default=None, ge=0)
+    memory_used_bytes: int | None = Field(default=None, ge=0, le=BIGINT_MAX // 64)
 
 
 class UsageSample(BaseModel):
     pod_id: str = Field(min_length=1, max_length=32)
-    attempt: int = Field(ge=0)
-    seq: int = Field(ge=0)
+    attempt: int = Field(ge=0, le=2**31 - 1)
+    seq: int = Field(ge=0, le=BIGINT_MAX)
     time: datetime
     cpu_seconds: float = Field(ge=0, allow_inf_nan=False)
-    memory_bytes: int = Field(ge=0)
-    memory_peak_bytes: int = Field(ge=0)
+    memory_bytes: int = Field(ge=0, le=BIGINT_MAX)
+    memory_peak_bytes: int = Field(ge=0, le=BIGINT_MAX)
     gpus: list[UsageGpu] = Field(default_factory=list, max_length=64)
-    net_rx_bytes: int | None = Field(default=None, ge=0)
-    net_tx_bytes: int | None = Field(default=None, ge=0)
-    disk_bytes: int | None = Field(default=None, ge=0)
+    net_rx_bytes: int | None = Field(default=None, ge=0, le=BIGINT_MAX)
+    net_tx_bytes: int | None = Field(default=None, ge=0, le=BIGINT_MAX)
+    disk_bytes: int | None = Field(default=None, ge=0, le=BIGINT_MAX)
 
 
 class AgentUsageBatchRequest(_Request):
-    fencing_token: int
+    fencing_token: int = Field(ge=-(2**63), le=BIGINT_MAX)
     samples: list[UsageSample] = Field(max_length=MAX_BATCH_SAMPLES)
 
 

@@ -106,6 +106,10 @@ class ApiKeyModel(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
+    #: What the key may do (migration 0015): None, the project's whole API;
+    #: ``worker:<endpoint id>``, only that endpoint's serverless worker routes (the key a
+    #: worker pod gets in ``RUNPOD_AI_API_KEY``; the API refuses it everywhere else).
+    scope: Mapped[str | None] = mapped_column(String(63), default=None)
 
 
 class JoinTokenModel(Base):
@@ -259,6 +263,12 @@ class PodModel(ContainerSpecColumns, Base):
     #: agent made there (``{"gpu_uuid", "mig_uuid", "profile", "slot"}``) (migration 0013).
     mig_slot: Mapped[int | None] = mapped_column(Integer, default=None)
     mig_device: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    #: A serverless endpoint's worker (migration 0015): the endpoint, and when the worker
+    #: last finished a request or started (the autoscaler stops it after the endpoint's
+    #: idle timeout from then).
+    endpoint_id: Mapped[str | None] = mapped_column(
+        ForeignKey("endpoints.id", ondelete="CASCADE"), default=None, index=True)
+    worker_idle_since: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class JobModel(ContainerSpecColumns, Base):
@@ -573,4 +583,92 @@ class SpendLimitModel(Base):
     credit_since: Mapped[datetime | None] = mapped_column(default=None)
     exhausted_at: Mapped[datetime | None] = mapped_column(default=None)
     updated_at: Mapped[datetime]
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class EndpointModel(ContainerSpecColumns, Base):
+    """A serverless endpoint (migration 0015): the workers' container spec (one spec, as
+    pods and templates), how many workers may run (``min_workers``..``max_workers``), how
+    the autoscaler sizes them (``scaler``: ``queue-delay`` seconds a request may wait, or
+    ``request-count`` requests per worker, with ``scaler_value``), how long an idle worker
+    is kept, and how long one request may run and be retried. Workers are pods whose
+    ``endpoint_id`` is this endpoint."""
+
+    __tablename__ = "endpoints"
+    __table_args__ = (
+        Index(
+            "uq_endpoints_project_name_live",
+            "project_id",
+            "name",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    ports: Mapped[list[str]] = mapped_column(JSON)
+    gpus: Mapped[float] = mapped_column(Float, default=0)
+    #: RunPod's GPU pools as given (``AMPERE_16,ADA_24``), mapped onto ``gpu_type``.
+    gpu_ids: Mapped[str | None] = mapped_column(String(255), default=None)
+    min_workers: Mapped[int] = mapped_column(Integer, default=0)
+    max_workers: Mapped[int] = mapped_column(Integer, default=3)
+    idle_timeout_seconds: Mapped[float] = mapped_column(Float, default=5.0)
+    scaler: Mapped[str] = mapped_column(String(16), default="queue-delay")
+    scaler_value: Mapped[int] = mapped_column(Integer, default=4)
+    execution_timeout_seconds: Mapped[float] = mapped_column(Float, default=600.0)
+    max_retries: Mapped[int] = mapped_column(Integer, default=3)
+    #: The template it was created from (its values were copied), as pods record it.
+    template: Mapped[str | None] = mapped_column(String(63), default=None)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class EndpointRequestModel(Base):
+    """One request to an endpoint (RunPod's "job"), the durable queue (migration 0015).
+
+    ``status`` is RunPod's: ``IN_QUEUE``, ``IN_PROGRESS``, ``COMPLETED``, ``FAILED``,
+    ``CANCELLED``, ``TIMED_OUT``. A worker takes a queued request under a lease
+    (``worker_pod_id``, ``lease_expires_at``, renewed by the worker's pings and progress);
+    a request whose lease lapses (its worker died) goes back to ``IN_QUEUE`` with
+    ``retries`` + 1, and fails once that passes the endpoint's ``max_retries``. A finished
+    request is kept until ``expires_at`` (1 min after a ``runsync``, 30 min after a
+    ``run``); ``webhook`` is POSTed once it finishes (``webhook_state``: ``pending``,
+    ``done``, ``failed``; retried at ``webhook_next_at``)."""
+
+    __tablename__ = "endpoint_requests"
+    __table_args__ = (
+        Index("ix_endpoint_requests_queue", "endpoint_id", "status", "created_at"),
+        Index("ix_endpoint_requests_worker", "worker_pod_id", "status"),
+        Index("ix_endpoint_requests_expires", "expires_at"),
+    )
+    id: Mapped[str] = mapped_column(String(48), primary_key=True)
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("endpoints.id", ondelete="CASCADE"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16))
+    input: Mapped[Any] = mapped_column(JSON)
+    output: Mapped[Any | None] = mapped_column(JSON, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    #: ``runsync`` (kept 1 min when done) or ``run`` (30 min).
+    sync: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    #: The request's own ``policy.executionTimeout`` (seconds) over the endpoint's.
+    execution_timeout_seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    worker_pod_id: Mapped[str | None] = mapped_column(
+        ForeignKey("pods.id", ondelete="SET NULL"), default=None)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    retries: Mapped[int] = mapped_column(Integer, default=0)
+    #: Stream chunks posted and not yet read (``/stream`` returns each chunk once).
+    stream: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    stream_done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    webhook: Mapped[str | None] = mapped_column(String(2048), default=None)
+    webhook_state: Mapped[str | None] = mapped_column(String(16), default=None)
+    webhook_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    webhook_next_at: Mapped[datetime | None] = mapped_column(default=None)
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    expires_at: Mapped[datetime | None] = mapped_column(default=None)
     version: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -12,17 +12,22 @@ What an XID means for scheduling (NVIDIA's XID catalog and the device plugin's h
 - informational (63, 92 and anything not in the table): recorded, nothing taken out.
 
 Hysteresis: a GPU (or the node) goes back into service only after ``recovery_checks``
-checks in a row find nothing wrong, so a flapping GPU does not take pods and lose them.
+checks in a row find nothing wrong, so a flapping GPU does not take pods and lose them;
+or at once after an admin's reset and a passed diag (``Maintenance``: ``nvidia-smi
+--gpu-reset`` and ``dcgmi diag`` on real GPUs, ``SimulatedMaintenance`` otherwise).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import re
+import shutil
+import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 class XidAction(enum.StrEnum):
@@ -160,6 +165,12 @@ class HealthTracker:
                      for index, uuid in enumerate(self.uuids))
         return HealthReport(gpus, self._node)
 
+    def recovered(self, index: int) -> None:
+        """GPU ``index`` was reset and passed a diag: back in service without waiting out
+        the clean checks (a fault seen again takes it out again)."""
+        self._bad.pop(index, None)
+        self._clean.pop(index, None)
+
     def _gpus(self, now: dict[int, str]) -> None:
         for index, reason in now.items():
             self._bad[index], self._clean[index] = reason, 0
@@ -225,3 +236,119 @@ def nvml_faults(nvml: object, uuids: tuple[str, ...], bus_ids: tuple[str | None,
         faults += [Fault(bus_ids.index(bus), xid=xid) for bus, xid in kernel_log_xids(text)
                    if bus in bus_ids]
     return faults
+
+
+# -- admin maintenance: reset and diag ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DiagOutcome:
+    passed: bool
+    output: str
+
+
+class Maintenance(Protocol):
+    """Reset a GPU and run a diagnostic on it (``node gpu-reset`` / ``node diag``)."""
+
+    def reset(self, index: int) -> DiagOutcome: ...
+    def diag(self, index: int, level: int) -> DiagOutcome: ...
+
+
+def _blocking(faults: Iterable[Fault], index: int) -> list[str]:
+    """The faults of GPU ``index`` that keep it out of service."""
+    return [f.describe() for f in faults if f.index == index
+            and f.action not in (XidAction.APPLICATION, XidAction.INFO)]
+
+
+@dataclass
+class SimulatedMaintenance:
+    """The simulated provider's reset and diag: a reset clears the GPU's faults written
+    into the fault file (a transient fault, as a real reset clears a reset-class XID);
+    faults given with ``--inject-fault`` stand for broken hardware and survive it; the
+    diag passes when the GPU shows no fault that keeps it out."""
+
+    faults: InjectedFaults
+
+    def reset(self, index: int) -> DiagOutcome:
+        path = self.faults.path
+        if path is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and parse_injected(line).index != index]
+            path.write_text("".join(f"{line}\n" for line in kept))
+        return DiagOutcome(True, f"simulated reset of GPU {index}")
+
+    def diag(self, index: int, level: int) -> DiagOutcome:
+        bad = _blocking(self.faults.read(), index)
+        if bad:
+            return DiagOutcome(False, f"simulated diag level {level} failed: {'; '.join(bad)}")
+        return DiagOutcome(True, f"simulated diag level {level} passed on GPU {index}")
+
+
+Runner = Callable[[list[str]], tuple[int, str]]
+
+
+def run_tool(argv: list[str], timeout: float = 600) -> tuple[int, str]:
+    """Run an NVIDIA tool: (exit status, stdout and stderr, the last 4000 characters)."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return 127, str(error)
+    return done.returncode, (done.stdout + done.stderr)[-4000:]
+
+
+@dataclass
+class HostMaintenance:
+    """Real GPUs: ``nvidia-smi --gpu-reset -i N`` (root, no process on the GPU), then
+    DCGM's ``dcgmi diag -r LEVEL -i N -j`` where DCGM is installed (a JSON report whose
+    tests must not fail); without DCGM the diag is the NVML checks alone, and says so."""
+
+    nvml: object
+    uuids: tuple[str, ...]
+    run: Runner = run_tool
+    which: Callable[[str], str | None] = shutil.which
+
+    def reset(self, index: int) -> DiagOutcome:
+        if self.which("nvidia-smi") is None:
+            return DiagOutcome(False, "nvidia-smi is not installed: cannot reset the GPU")
+        status, output = self.run(["nvidia-smi", "--gpu-reset", "-i", str(index)])
+        return DiagOutcome(status == 0, output.strip() or f"nvidia-smi exited {status}")
+
+    def diag(self, index: int, level: int) -> DiagOutcome:
+        api: Any = self.nvml
+        try:
+            api.nvmlInit()
+        except api.NVMLError as error:
+            return DiagOutcome(False, f"NVML cannot start: {error}")
+        try:
+            bad = _blocking(_nvml_faults_of(api, index, self.uuids[index]), index)
+        finally:
+            api.nvmlShutdown()
+        if bad:
+            return DiagOutcome(False, f"NVML checks failed: {'; '.join(bad)}")
+        if self.which("dcgmi") is None:
+            return DiagOutcome(True, "NVML checks passed (dcgmi not installed: no active test)")
+        status, output = self.run(["dcgmi", "diag", "-r", str(level), "-i", str(index), "-j"])
+        return DiagOutcome(status == 0 and not dcgm_failed(output), output.strip())
+
+
+def dcgm_failed(output: str) -> bool:
+    """Whether a ``dcgmi diag -j`` report has a failed test (or is no report at all)."""
+    try:
+        report = json.loads(output)
+    except ValueError:
+        return True
+    found: list[str] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key.lower() in ("status", "result") and isinstance(value, str):
+                    found.append(value.lower())
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(report)
+    return any(value in ("fail", "failed") for value in found)

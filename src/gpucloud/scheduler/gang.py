@@ -32,8 +32,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.jobs import Topology
 from gpucloud.scheduler.framework.cluster import ClusterState
+from gpucloud.scheduler.mig import MIG_SLOTS, geometry
 from gpucloud.scheduler.scheduler import Scheduler, to_placement
 from gpucloud.scheduler.types import (
     FULL_GPU_MILLI,
@@ -207,6 +209,8 @@ def _explain(scheduler: Scheduler, nodes: Sequence[NodeState], members: Sequence
         reasons[FITS_A_MEMBER] = fit
     gpus = members[0].gpus
     need = f"needs {wanted} nodes with {gpus} free GPU{'' if gpus == 1 else 's'} each"
+    if members[0].mig_profile:
+        need = f"needs {wanted} nodes with a free {members[0].mig_profile} MIG slot each"
     if fit < wanted:
         summary = f"{need}, {fit} {'has' if fit == 1 else 'have'} them"
     else:
@@ -259,10 +263,21 @@ def apply_placements(nodes: Sequence[NodeState], members: Sequence[PodRequest],
 
 
 def _take(node: NodeState, member: PodRequest, placement: Placement) -> NodeState:
-    gpus = tuple(
-        replace(gpu, used_milli=gpu.used_milli + placement.gpu_milli.get(gpu.index, 0))
-        if gpu.index in placement.gpu_milli else gpu
-        for gpu in node.gpus
-    )
+    gpus = tuple(_take_gpu(gpu, member, placement) if gpu.index in placement.gpu_milli
+                 else gpu for gpu in node.gpus)
     return replace(node, gpus=gpus, cpu_used_milli=node.cpu_used_milli + member.cpu_milli,
                    memory_used_bytes=node.memory_used_bytes + member.memory_bytes)
+
+
+def _take_gpu(gpu: GpuState, member: PodRequest, placement: Placement) -> GpuState:
+    """One GPU after a member's placement: its share or whole GPU, or its MIG slices."""
+    found = placement.mig.get(gpu.index)
+    if found is not None:
+        profile, start = found
+        geom = geometry(canonical_name(gpu.model), profile)
+        size = geom.size if geom is not None else MIG_SLOTS
+        slots = set(gpu.mig_used) | set(range(start, min(MIG_SLOTS, start + size)))
+        return replace(gpu, mig_used=tuple(sorted(slots)))
+    memory = member.gpu_memory_mib if member.gpu_milli else 0
+    return replace(gpu, used_milli=gpu.used_milli + placement.gpu_milli.get(gpu.index, 0),
+                   memory_used_mib=gpu.memory_used_mib + memory)

@@ -109,3 +109,16 @@ def best_start(geom: MigGeometry, used: int) -> int | None:
     if not options:
         return None
     return max(options, key=lambda s: (remaining_room(used | geom.mask(s)), -s))
+
+
+def layout_starts(layout: tuple[tuple[str, int], ...], profile: str) -> tuple[int, ...]:
+    """The start slots of a fixed layout's instances of ``profile`` (sorted)."""
+    key = profile.strip().lower()
+    return tuple(sorted({start for name, start in layout if name.strip().lower() == key}))
+
+
+def free_layout_start(geom: MigGeometry, starts: tuple[int, ...], used: int) -> int | None:
+    """The lowest of a fixed layout's instance starts whose slices no pod holds (None: every
+    instance of that profile is taken). Nothing new is ever made on a fixed layout; a start
+    the profile cannot have (a bad report) is never used."""
+    return next((s for s in starts if s in geom.starts and used & geom.mask(s) == 0), None)

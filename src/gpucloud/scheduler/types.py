@@ -20,6 +20,14 @@ class GpuState:
 
     ``mig_used`` lists the memory slices (0..7) taken by MIG instances on this GPU; a GPU
     with MIG instances takes no time-sliced shares, and the reverse.
+
+    ``mig_mode``: the GPU's MIG mode as its node reports it: on (True: MIG pods only, since
+    a GPU in MIG mode runs no other CUDA work), off (False: no MIG pods), or not said (None,
+    trace simulations: either kind, a free GPU may switch). ``mig_layout``: None where
+    instances are made as MIG pods are placed (dynamic policy); under a fixed policy the
+    (profile, start slot) of each instance the node has, and a MIG pod takes a free one.
+    ``memory_used_mib``: the memory limits of the shares already on this GPU (MPS limits
+    add up; a share without a limit counts none).
     """
 
     index: int
@@ -31,6 +39,9 @@ class GpuState:
     used_milli: int = 0
     pcie_switch: int = 0
     mig_used: tuple[int, ...] = ()
+    mig_mode: bool | None = None
+    mig_layout: tuple[tuple[str, int], ...] | None = None
+    memory_used_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,8 @@ class PodRequest:
     ``gpu_model`` may list alternatives separated by ``|`` (as the Alibaba trace does);
     ``node_selector`` labels must all match the node's labels; ``required_node``, when set,
     is the only node the pod may go to (a stopped pod's volume disk lives there).
+    ``gpu_memory_mib``: a share's device memory limit; the share goes only to a GPU with at
+    least that much memory not yet promised to other shares' limits.
     """
 
     key: str
@@ -94,6 +107,7 @@ class PodRequest:
     memory_bytes: int = 0
     mig_profile: str | None = None
     min_gpu_memory_mib: int | None = None
+    gpu_memory_mib: int = 0
     node_selector: dict[str, str] = field(default_factory=dict)
     required_node: str | None = None
     #: Nodes the pod must not go to (it was just preempted there).

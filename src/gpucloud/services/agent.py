@@ -27,7 +27,15 @@ from gpucloud.core.phases import (
     should_restart,
 )
 from gpucloud.db.models import JobModel, NodeModel, PodLogChunkModel, PodModel, ProjectModel
-from gpucloud.services import checkpoint_index, interval, mig, migration, spot, volumes
+from gpucloud.services import (
+    checkpoint_index,
+    gpu_maintenance,
+    interval,
+    mig,
+    migration,
+    spot,
+    volumes,
+)
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import record_event, transition
 from gpucloud.services.fencing import check_fencing
@@ -70,7 +78,8 @@ def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
         return AssignmentsOut(revision=node.assignments_revision,
                               fencing_token=node.fencing_token, pods=pods,
                               volume_pods=_volume_pods(session, node_id),
-                              volume_exports=migration.exports(session, node_id))
+                              volume_exports=migration.exports(session, node_id),
+                              gpu_actions=gpu_maintenance.pending(node))
 
 
 def _add_volumes(ctx: ServiceContext, session: Session, node: NodeModel, pod: PodModel,
@@ -144,21 +153,48 @@ def report_status(ctx: ServiceContext, node_id: str, pod_id: str,
         pod = _bound_pod(session, node, pod_id)
         if report.attempt is not None and report.attempt != pod.attempt:
             raise Conflict(f"report for attempt {report.attempt}; the pod is on {pod.attempt}")
-        if report.log_tail is not None:
-            pod.log_tail = report.log_tail
-        if report.network is not None:
-            pod.network = report.network.model_dump()
-        if report.volume_migration is not None:
-            migration.apply_report(session, pod, node, report.volume_migration, now)
-        mig.record_device(pod, report.phase, report.mig_device)
         current = PodPhase(pod.phase)
+        if _already_applied(current, report.phase):
+            return current  # a duplicate or a late report of a step already taken
+        if report.phase is not current and current not in ACTIVE_PHASES:
+            raise Conflict(f"pod {pod.name!r} is {current}; the agent's report is too late")
+        _apply_details(session, node, pod, report, now)
         if report.phase is current:
             _update_reason(session, pod, report, now)
             return current
-        if current not in ACTIVE_PHASES:
-            raise Conflict(f"pod {pod.name!r} is {current}; the agent's report is too late")
         _apply_phase(ctx, session, pod, report, now)
         return PodPhase(pod.phase)
+
+
+#: The order an attempt's active phases are reached in (the agent reports them forward).
+_FORWARD = (PodPhase.SCHEDULED, PodPhase.PULLING, PodPhase.RUNNING)
+
+
+def _already_applied(current: PodPhase, reported: PodPhase) -> bool:
+    """Whether a report is one the pod is already at or past within its attempt: a
+    terminal phase reported again (a retry whose answer was lost), or an active phase
+    behind the pod's (``Pulling`` arriving after ``Running``). Such a report changes
+    nothing and is acknowledged, so a duplicated or reordered message never moves a pod
+    backwards nor applies twice (a second ``Stopped`` must not overwrite the stop's reason,
+    exit code or time). A pod restarted since is no longer bound to the attempt: the
+    caller's node and attempt checks refuse those (409)."""
+    if current in TERMINAL_PHASES:
+        return reported is current
+    return (current in _FORWARD and reported in _FORWARD
+            and _FORWARD.index(reported) < _FORWARD.index(current))
+
+
+def _apply_details(session: Session, node: NodeModel, pod: PodModel,
+                   report: AgentPodStatusRequest, now: datetime) -> None:
+    """What a report carries besides its phase: log tail, address, volume migration, MIG
+    device."""
+    if report.log_tail is not None:
+        pod.log_tail = report.log_tail
+    if report.network is not None:
+        pod.network = report.network.model_dump()
+    if report.volume_migration is not None:
+        migration.apply_report(session, pod, node, report.volume_migration, now)
+    mig.record_device(pod, report.phase, report.mig_device)
 
 
 def _update_reason(session: Session, pod: PodModel, report: AgentPodStatusRequest,

@@ -91,6 +91,8 @@ class LeasedJob:
     max_duration: float | None = None
     #: Nodes the gang was just preempted from (services/spot).
     avoid_nodes: tuple[str, ...] = ()
+    #: ``--mig PROFILE``: each member takes one MIG instance (all of them or none).
+    mig_profile: str | None = None
 
 
 # -- placement ----------------------------------------------------------------------------
@@ -137,7 +139,8 @@ def leased_job(session: Session, job: JobModel, now: datetime | None = None) -> 
                      [(pod_id, version) for pod_id, version, _, _ in members],
                      job.project_id, job.priority,
                      reservations if held and len(reservations) == len(members) else None,
-                     job.max_duration_seconds, _avoided(session, job.id, now))
+                     job.max_duration_seconds, _avoided(session, job.id, now),
+                     job.mig_profile)
 
 
 def _avoided(session: Session, job_id: str, now: datetime | None) -> tuple[str, ...]:
@@ -150,7 +153,9 @@ def _avoided(session: Session, job_id: str, now: datetime | None) -> tuple[str, 
 
 
 def member_requests(job: LeasedJob) -> list[PodRequest]:
-    return [PodRequest(key=pod_id, gpus=job.gpus_per_node, gpu_model=job.gpu_type,
+    gpus = 0 if job.mig_profile else job.gpus_per_node
+    return [PodRequest(key=pod_id, gpus=gpus, gpu_model=job.gpu_type,
+                       mig_profile=job.mig_profile,
                        cpu_milli=job.cpu_milli, memory_bytes=job.memory_bytes,
                        avoid_nodes=job.avoid_nodes)
             for pod_id, _ in job.members]
@@ -272,7 +277,7 @@ def _bind(ctx: ServiceContext, job: LeasedJob, token: str, decision: GangDecisio
             claim_node(session, node.id, versions[node.name])
             for node in sorted(chosen, key=lambda n: n.id)
         ) and all(
-            _bind_member(session, job, rank, node, placement.gpu_milli, addresses, now)
+            _bind_member(session, job, rank, node, placement, addresses, now)
             for rank, (node, placement) in enumerate(zip(chosen, decision.placements,
                                                          strict=True))
         )
@@ -300,10 +305,11 @@ def _claim_job(session: Session, job: LeasedJob, token: str, now: datetime,
 
 
 def _bind_member(session: Session, job: LeasedJob, rank: int, node: NodeModel,
-                 gpu_milli: dict[int, int], addresses: list[str], now: datetime) -> bool:
+                 placement: Placement, addresses: list[str], now: datetime) -> bool:
     pod_id, version = job.members[rank]
     uuids = {g["index"]: g["uuid"] for g in node.gpus}
-    milli = {str(i): m for i, m in sorted(gpu_milli.items())}
+    milli = {str(i): m for i, m in sorted(placement.gpu_milli.items())}
+    mig_slot = next((start for _, start in placement.mig.values()), None)
     env = {**job.env, **rendezvous_env(rank, addresses, job.gpus_per_node,
                                        master_port(job.id))}
     bound = rows_changed(
@@ -313,6 +319,7 @@ def _bind_member(session: Session, job: LeasedJob, rank: int, node: NodeModel,
                PodModel.phase == PodPhase.PENDING.value, PodModel.deleted_at.is_(None))
         .values(phase=PodPhase.SCHEDULED.value, node_id=node.id,
                 gpu_uuids=[uuids[int(i)] for i in milli], gpu_milli=milli, env=env,
+                mig_slot=mig_slot, mig_device=None,
                 attempt=PodModel.attempt + 1, log_tail=None, reason="Scheduled",
                 message=f"bound to {node.name} with the rest of its job", ready_at=None,
                 unschedulable=None, nominated_node_id=None, nominated_gpu_milli=None,

@@ -18,6 +18,7 @@ from gpucloud.core.models import (
     JoinTokenRequest,
     LeaseRequest,
     LeaseResponse,
+    NodeGpuActionRequest,
     NodeOut,
     NodeRegisterRequest,
     NodeRegisterResponse,
@@ -32,7 +33,7 @@ from gpucloud.core.phases import (
 from gpucloud.core.spot import DrainState, NodeDrainOut, StopReason
 from gpucloud.db.models import NodeModel, PodModel
 from gpucloud.db.session import on_commit, rows_changed
-from gpucloud.services import join_tokens, spot, wakeups
+from gpucloud.services import gpu_maintenance, join_tokens, spot, wakeups
 from gpucloud.services.context import (
     ServiceContext,
     hash_secret,
@@ -164,7 +165,7 @@ def renew_current(ctx: ServiceContext, token: str, request: LeaseRequest) -> Lea
     a new grant). A lapse races ``expire_leases`` on the row lock: whichever lands first
     wins, and the other's guard then matches nothing."""
     if request.fencing_token is None or request.gpu_health is not None \
-            or request.node_fault is not None:
+            or request.node_fault is not None or request.gpu_actions:
         return None
     now = ctx.clock.now()
     ttl = ctx.settings.lease_ttl_seconds
@@ -222,6 +223,11 @@ def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None,
         new_grant = fencing_token is None or lapsed
         if health is not None:
             _apply_health(node, health)
+            if gpu_maintenance.apply_results(node, health.gpu_actions, now):
+                node.version += 1
+                node.assignments_revision += 1  # the agent drops the answered actions
+                _announce(session, node.id)
+                retry_unschedulable(session)
         if new_grant:
             _grant(node, now, ttl)
             _announce(session, node.id)
@@ -326,8 +332,37 @@ def set_cordoned(ctx: ServiceContext, caller: Principal, ref: str, cordoned: boo
             node.cordoned = cordoned
             node.version += 1
             if not cordoned:
+                # An operator's uncordon ends a health-check cordon too: its reason goes
+                # (a fault still there cordons the node again on the next report).
+                node.cordon_reason = None
                 retry_unschedulable(session)
         return node_out(session, node, _allocated_gpus(session).get(node.id, 0))
+
+
+def request_gpu_action(ctx: ServiceContext, caller: Principal, ref: str,
+                       body: NodeGpuActionRequest) -> NodeOut:
+    """``node gpu-reset`` / ``node diag``: the agent runs it and reports (services/
+    gpu_maintenance); the GPU shows the request's state under ``maintenance``."""
+    caller.require_admin()
+    with ctx.db.transaction() as session:
+        node = _find_node(session, ref)
+        gpu_maintenance.request(node, body.action, body.gpu, body.level, ctx.clock.now(),
+                                _pods_by_gpu(session, node.id))
+        node.version += 1
+        node.assignments_revision += 1
+        _announce(session, node.id)
+        return node_out(session, node, _allocated_gpus(session).get(node.id, 0))
+
+
+def _pods_by_gpu(session: Session, node_id: str) -> dict[int, list[str]]:
+    """Names of the active pods holding each GPU index of the node."""
+    held: dict[int, list[str]] = {}
+    for name, gpu_milli in session.execute(
+            select(PodModel.name, PodModel.gpu_milli).where(
+                PodModel.node_id == node_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES))):
+        for index in gpu_milli or {}:
+            held.setdefault(int(index), []).append(name)
+    return held
 
 
 def lease_health(ctx: ServiceContext) -> tuple[int, int]:
@@ -339,6 +374,21 @@ def lease_health(ctx: ServiceContext) -> tuple[int, int]:
         ready = session.scalar(select(func.count()).select_from(NodeModel).where(
             NodeModel.status == NodeStatus.READY.value))
     return int(lapsed or 0), int(ready or 0)
+
+
+def rebase_leases(ctx: ServiceContext, alive_at: datetime) -> int:
+    """After a clock jump: every Ready lease that was live at ``alive_at`` (the last look
+    before the jump), or that now runs past one TTL from now (a jump backwards), expires
+    one TTL from now. Forwards, no healthy node looks lapsed (the agents had no chance to
+    renew against the new time); backwards, a node that dies is still found within a TTL.
+    Leases lapsed before the jump stay lapsed. Returns how many leases it moved."""
+    now = ctx.clock.now()
+    fresh = now + timedelta(seconds=ctx.settings.lease_ttl_seconds)
+    with ctx.db.transaction() as session:
+        return rows_changed(session, update(NodeModel).where(
+            NodeModel.status == NodeStatus.READY.value,
+            (NodeModel.lease_expires_at > alive_at) | (NodeModel.lease_expires_at > fresh),
+        ).values(lease_expires_at=fresh))
 
 
 def set_mig_policy(ctx: ServiceContext, caller: Principal, ref: str, mode: str) -> NodeOut:

@@ -82,11 +82,14 @@ def _network_out(pod: PodModel) -> dict[str, Any]:
     return {"ip": network.get("ip"), "ports_runtime": network.get("ports", [])}
 
 
-def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest) -> PodOut:
+def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest, *,
+               pod_id: str | None = None, endpoint_id: str | None = None) -> PodOut:
     """Record the intent (a Pending pod and its first event) in one transaction.
 
     A pod from a template starts from the template's spec; the fields the request gives
     override it. Names it refers to (template, registry credentials) are checked first.
+    A serverless endpoint's worker (services/autoscale) gives its ``endpoint_id`` and the
+    ``pod_id`` its env already names.
     """
     request = templates.apply_template(ctx, caller, request)
     check_spec(ctx, caller.project_id, request)
@@ -97,13 +100,14 @@ def create_pod(ctx: ServiceContext, caller: Principal, request: PodCreateRequest
     priority_class, priority = priorities.resolve_cached(
         ctx, priority_class_of(request, request.priority_class))
     row = dict(
-        id=new_id(), project_id=caller.project_id, name=request.name,
+        id=pod_id or new_id(), project_id=caller.project_id, name=request.name,
         phase=PodPhase.PENDING.value, reason="Created", message=None, desired_state="running",
         ports=request.ports, gpus=request.gpus, restart_policy=request.restart.value,
         node_id=None, gpu_uuids=[], gpu_milli={}, exit_code=None, attempt=0, restart_count=0,
         created_at=now, updated_at=now, version=0, priority_class=priority_class,
         priority=priority, max_duration_seconds=request.max_duration,
-        template=request.template, proxy_token=new_proxy_token(), **spec_columns(request),
+        template=request.template, proxy_token=new_proxy_token(), endpoint_id=endpoint_id,
+        worker_idle_since=now if endpoint_id else None, **spec_columns(request),
     )
     pod = PodModel(**row)
     # The API's hottest write is one INSERT, atomic on its own: the creation event is

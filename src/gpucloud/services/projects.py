@@ -131,7 +131,8 @@ def authenticate(ctx: ServiceContext, key: str | None) -> Principal:
             select(ProjectModel.id, ProjectModel.name, ProjectModel.is_admin,
                    ApiKeyModel.key_hash)
             .join(ApiKeyModel, ApiKeyModel.project_id == ProjectModel.id)
-            .where(ApiKeyModel.key_hash == key_hash, ApiKeyModel.revoked_at.is_(None))
+            .where(ApiKeyModel.key_hash == key_hash, ApiKeyModel.revoked_at.is_(None),
+                   ApiKeyModel.scope.is_(None))  # a worker's key is no project key
         ).first()
     if row is None or not secret_matches(key, row[3]):
         raise Unauthorized("invalid or revoked API key")
@@ -172,7 +173,7 @@ def list_keys(ctx: ServiceContext, caller: Principal) -> list[KeyOut]:
     with ctx.db.transaction() as session:
         keys = session.scalars(
             select(ApiKeyModel)
-            .where(ApiKeyModel.project_id == caller.project_id)
+            .where(ApiKeyModel.project_id == caller.project_id, ApiKeyModel.scope.is_(None))
             .order_by(ApiKeyModel.created_at)
         )
         return [_key_out(k, caller.project_name) for k in keys]
@@ -183,7 +184,8 @@ def revoke_key(ctx: ServiceContext, caller: Principal, key_ref: str) -> KeyOut:
     with ctx.db.transaction() as session:
         keys = session.scalars(
             select(ApiKeyModel).where(
-                ApiKeyModel.project_id == caller.project_id, ApiKeyModel.revoked_at.is_(None)
+                ApiKeyModel.project_id == caller.project_id, ApiKeyModel.revoked_at.is_(None),
+                ApiKeyModel.scope.is_(None),
             )
         ).all()
         matches = [k for k in keys if key_ref in (k.id, k.name, k.prefix)]

@@ -63,13 +63,16 @@ def project_names(session: Session) -> dict[str, str]:
     return dict(session.execute(select(ProjectModel.id, ProjectModel.name)).all())
 
 
-def load_ledger(session: Session, now: datetime) -> Ledger:
+def load_ledger(session: Session, now: datetime,
+                node_gpus: Iterable[tuple[str, list[dict[str, Any]]]] | None = None) -> Ledger:
     """The quotas, and what active pods and live reservations hold per project: GPUs per
-    model (for quotas and DRF), CPU and memory (for DRF)."""
+    model (for quotas and DRF), CPU and memory (for DRF). ``node_gpus``: each node's id
+    and GPUs when the caller has them already (a scheduling pass's snapshot), else read."""
     quotas = {q.project_id: Quota(dict(q.gpus), q.borrow_limit)
               for q in session.scalars(select(QuotaModel))}
     ledger = Ledger(quotas)
-    models = _gpu_models(session.execute(select(NodeModel.id, NodeModel.gpus)))
+    models = _gpu_models(node_gpus if node_gpus is not None
+                         else session.execute(select(NodeModel.id, NodeModel.gpus)))
     held = session.execute(
         select(PodModel.project_id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,
                PodModel.memory_bytes)

@@ -6,7 +6,9 @@ or deletion of the template does not touch it) and records the template's name.
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -18,6 +20,8 @@ from gpucloud.db.models import TemplateModel
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.projects import Principal
 from gpucloud.services.spec import check_spec, spec_columns, spec_out, spec_request
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def template_out(template: TemplateModel, project_name: str) -> TemplateOut:
@@ -82,18 +86,29 @@ def apply_template(ctx: ServiceContext, caller: Principal,
         if request.image is None:
             raise InvalidInput("image", "field required (or name a template)")
         return request
+    return merge_over(PodCreateRequest, template_fields(ctx, caller, request.template),
+                      request.model_dump(include=request.model_fields_set))
+
+
+def template_fields(ctx: ServiceContext, caller: Principal, name: str) -> dict[str, Any]:
+    """A template's spec, GPUs and ports as request fields (422 ``template`` if unknown):
+    the base that pods and serverless endpoints created from it start from."""
     with ctx.db.read() as session:
         template = session.scalar(select(TemplateModel).where(
             TemplateModel.project_id == caller.project_id,
-            TemplateModel.name == request.template))
+            TemplateModel.name == name))
         if template is None:
-            raise InvalidInput("template", f"no template named {request.template!r} in "
+            raise InvalidInput("template", f"no template named {name!r} in "
                                f"project {caller.project_name!r}")
-        base = {**spec_request(template), "gpus": template.gpus, "ports": list(template.ports)}
-    given = request.model_dump(include=request.model_fields_set)
+        return {**spec_request(template), "gpus": template.gpus, "ports": list(template.ports)}
+
+
+def merge_over(model: type[M], base: dict[str, Any], given: dict[str, Any]) -> M:
+    """``given`` over ``base`` validated as ``model``; the first error is a 422 naming its
+    field (the base's values were valid on their own, a combination may not be)."""
     try:
-        return PodCreateRequest.model_validate({**base, **given})
-    except ValidationError as error:  # the template's values were valid on their own
+        return model.model_validate({**base, **given})
+    except ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"]) or "template"
         raise InvalidInput(field, str(first["msg"]).removeprefix("Value error, ")) from None

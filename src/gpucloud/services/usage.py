@@ -89,9 +89,16 @@ def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest) -> 
 
 
 def _unique(samples: Sequence[UsageSample]) -> list[UsageSample]:
-    """One sample per key (a batch may repeat one; the first wins, as in the table)."""
+    """One sample per key (a batch may repeat one; the first wins, as in the table).
+    Strings with NUL are refused (PostgreSQL's text cannot hold one)."""
     seen: dict[tuple[str, int, int], UsageSample] = {}
-    for sample in samples:
+    for index, sample in enumerate(samples):
+        if "\x00" in sample.pod_id:
+            raise InvalidInput(f"samples[{index}].pod_id", "must not contain a NUL character")
+        for number, gpu in enumerate(sample.gpus):
+            if "\x00" in gpu.uuid:
+                raise InvalidInput(f"samples[{index}].gpus[{number}].uuid",
+                                   "must not contain a NUL character")
         seen.setdefault((sample.pod_id, sample.attempt, sample.seq), sample)
     return list(seen.values())
 

@@ -117,6 +117,27 @@ def test_lazy_mount_serves_every_file_verified(registry: Registry, tmp_path: Pat
     assert exc.value.errno in (errno.EROFS, errno.EACCES)
 
 
+def test_cached_reads_are_served_zero_copy_and_exact(registry: Registry, tmp_path: Path,
+                                                      lazyfs: LazyfsClient) -> None:
+    """Once cached, reads are answered with chunk-file descriptors (``read_buf``): the
+    bytes must be exact at every offset, across chunk boundaries, page cache dropped."""
+    lazy, toc = _push(registry, tmp_path, "lazy-zero-copy")
+    mnt = _mount(lazyfs, registry.host, "lazy-zero-copy", lazy, toc)
+    assert (mnt / "data/big.bin").read_bytes() == BIG  # fetched (and cached) here
+    fd = os.open(mnt / "data/big.bin", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next reads reach lazyfs
+        for offset, size in ((0, 1), ((64 << 10) - 7, 20), (100_000, 200_000),
+                             (len(BIG) - 5, 100), (3 * (64 << 10), 64 << 10)):
+            assert os.pread(fd, size, offset) == BIG[offset:offset + size]
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.pread(fd, len(BIG) + 10, 0) == BIG
+    finally:
+        os.close(fd)
+    fetched = lazyfs.status()["layers"][lazy.image.layers[0].digest]  # type: ignore[attr-defined]
+    assert fetched["demand_fetched"] + fetched["prefetched"] < 2 * len(BIG)  # not refetched
+
+
 def test_shared_mount_is_refcounted_and_prefetch_completes(registry: Registry, tmp_path: Path,
                                                            lazyfs: LazyfsClient) -> None:
     lazy, toc = _push(registry, tmp_path, "lazy-shared")

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from functools import partial
 
-import anyio
-import anyio.to_thread
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from gpucloud.api.deps import Ctx, NodeId, NodeToken
+from gpucloud.api import lease_capacity, usage_admission
+from gpucloud.api.deps import Ctx, NodeCredential, NodeId, NodeToken
 from gpucloud.core.jobs import AgentPodReadyRequest
 from gpucloud.core.models import (
     AgentLogChunkRequest,
@@ -24,7 +22,7 @@ from gpucloud.core.models import (
     NodeRegisterResponse,
 )
 from gpucloud.core.phases import PodPhase
-from gpucloud.core.usage import AgentUsageBatchOut, AgentUsageBatchRequest
+from gpucloud.core.usage import AgentUsageBatchOut
 from gpucloud.services import (
     agent,
     auth_guard,
@@ -33,9 +31,9 @@ from gpucloud.services import (
     nodes,
     ratelimit,
     revision_watch,
-    usage,
     wakeups,
 )
+from gpucloud.services.context import ServiceContext
 
 router = APIRouter(prefix="/v1/agent", tags=["agent"])
 #: The period of the long polls' batched fallback re-read; wake-ups end a poll sooner.
@@ -60,15 +58,22 @@ def register(body: NodeRegisterRequest, ctx: Ctx, request: Request) -> NodeRegis
 
 
 @router.post("/lease")
-def lease(body: LeaseRequest, ctx: Ctx, credential: NodeToken) -> LeaseResponse:
+async def lease(body: LeaseRequest, ctx: Ctx, credential: NodeToken) -> LeaseResponse:
     """One statement while the grant is current (``nodes.renew_current``: the token
-    checked inside it); the full path for a new grant, a stale token, health news."""
-    response = nodes.renew_current(ctx, credential.token, body) if credential.token else None
+    checked inside it); the full path for a new grant, a stale token, health news.
+    Renewals arriving together share one statement, on the lease's own threads
+    (api/lease_capacity.py): other routes' load cannot queue in front of a renewal."""
+    response = (await lease_capacity.renew_current(ctx, credential.token, body)
+                if credential.token else None)
     if response is None:
-        response = nodes.renew_lease(ctx, credential.authenticate(ctx), body.fencing_token,
-                                     body)
+        response = await lease_capacity.run(partial(_renew_full, body, credential), ctx)
     metrics.LEASES_RENEWED.inc()
     return response
+
+
+def _renew_full(body: LeaseRequest, credential: NodeCredential,
+                ctx: ServiceContext) -> LeaseResponse:
+    return nodes.renew_lease(ctx, credential.authenticate(ctx), body.fencing_token, body)
 
 
 @router.get("/assignments")
@@ -117,29 +122,17 @@ def pod_logs(pod_id: str, body: AgentLogChunkRequest, ctx: Ctx,
     return {"next_offset": agent.append_log(ctx, node_id, pod_id, body)}
 
 
-@router.post("/usage", responses={
+@router.post("/usage", response_model=AgentUsageBatchOut,
+             openapi_extra=usage_admission.request_body_schema(), responses={
     409: {"model": ErrorOut, "description": "A stale fencing token, or a pod attempt that "
                                             "was never on this node: nothing is stored"},
-    422: {"model": ErrorOut, "description": "A sample far in the future, or malformed"}})
-async def post_usage(body: AgentUsageBatchRequest, ctx: Ctx,
-                     node_id: NodeId) -> AgentUsageBatchOut:
-    """Usage samples, cumulative per (pod, attempt, seq): a resent batch stores nothing.
-
-    Ingest runs on its own few threads (``_ingest_limiter``), not the request thread pool:
-    a flood of batches from 1,000 pods queues here instead of taking every thread that
-    pod creates and the other agent calls need."""
-    return await anyio.to_thread.run_sync(usage.ingest, ctx, node_id, body,
-                                          limiter=_ingest_limiter())
-
-
-_INGEST_THREADS = 2
-_LIMITERS: dict[int, anyio.CapacityLimiter] = {}
-
-
-def _ingest_limiter() -> anyio.CapacityLimiter:
-    """One limiter per event loop (a limiter belongs to the loop it was made in)."""
-    loop = id(asyncio.get_running_loop())
-    limiter = _LIMITERS.get(loop)
-    if limiter is None:
-        limiter = _LIMITERS[loop] = anyio.CapacityLimiter(_INGEST_THREADS)
-    return limiter
+    422: {"model": ErrorOut, "description": "A sample far in the future, or malformed"},
+    503: {"model": ErrorOut, "description": "Ingest yields to API calls: nothing is "
+                                            "stored; send the batch again after Retry-After"}})
+async def post_usage(request: Request, ctx: Ctx,
+                     node_id: NodeId) -> AgentUsageBatchOut | Response:
+    """Usage samples (``AgentUsageBatchRequest``), cumulative per (pod, attempt, seq): a
+    resent batch stores nothing. Deferrable work: admitted by ``api/usage_admission``
+    (503 + Retry-After while API calls need the CPU), then parsed and stored on its own
+    threads, never on the event loop or the request thread pool."""
+    return await usage_admission.ingest(request, ctx, node_id)

@@ -9,6 +9,7 @@ from gpucloud.core.models import (
     JoinTokenInfoOut,
     JoinTokenOut,
     JoinTokenRequest,
+    NodeGpuActionRequest,
     NodeMigRequest,
     NodeOut,
 )
@@ -59,6 +60,14 @@ def uncordon(ref: str, ctx: Ctx, caller: Admin, request: Request) -> NodeOut:
     if runner is not None:
         runner.wake()
     return node
+
+
+@router.post("/{ref}/gpu-actions")
+def gpu_action(ref: str, body: NodeGpuActionRequest, ctx: Ctx, caller: Admin) -> NodeOut:
+    """Reset a GPU and run a diag, or run a diag (one GPU or all), through the node's
+    agent; each GPU's ``maintenance`` shows the outcome once the agent reports it (a GPU
+    that passes is back in service). A reset needs an idle GPU: 409 while pods hold it."""
+    return nodes.request_gpu_action(ctx, caller, ref, body)
 
 
 @router.post("/{ref}/mig")

@@ -21,11 +21,10 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from gpucloud.compat.runpod import graphql_resolvers, graphql_schema
+from gpucloud.compat.runpod.rest_common import authenticate, key_of, wake
 from gpucloud.core.errors import GpucloudError, Unauthorized
 from gpucloud.core.models import ErrorOut
-from gpucloud.services import auth_guard, projects, ratelimit
 from gpucloud.services.context import ServiceContext
-from gpucloud.services.projects import Principal
 
 router = APIRouter(tags=["runpod"])
 SCHEMA = graphql_resolvers.bind(graphql_schema.schema())
@@ -34,22 +33,7 @@ MAX_QUERY_CHARS = 256 * 1024
 
 def api_key(request: Request) -> str | None:
     """The key from ``Authorization`` (with or without ``Bearer``) or ``?api_key=``."""
-    header = request.headers.get("authorization", "").strip()
-    if header.lower().startswith("bearer "):
-        header = header[7:].strip()
-    return header or request.query_params.get("api_key") or None
-
-
-async def authenticate(request: Request, ctx: ServiceContext) -> Principal:
-    """The caller, through the same guard as the REST API (failed keys are rate-limited)."""
-    key = api_key(request)
-    keys = ratelimit.api_keys(request.client.host if request.client else None, key)
-    auth_guard.check(ctx, keys)
-    cached = projects.cached_principal(ctx, key)
-    if cached is not None:
-        return cached
-    return await run_in_threadpool(auth_guard.authenticated, ctx, keys,
-                                   partial(projects.authenticate, ctx, key))
+    return key_of(request.headers.get("authorization"), request.query_params.get("api_key"))
 
 
 def _errors(*messages: str) -> dict[str, Any]:
@@ -103,12 +87,6 @@ def execute(context: graphql_resolvers.GqlContext, query: str,
     return out
 
 
-def _wake(request: Request) -> None:
-    runner = getattr(request.app.state, "controllers", None)
-    if runner is not None:
-        runner.wake()
-
-
 class GraphqlErrorsOut(BaseModel):
     """What GraphQL servers answer on errors: ``{"errors": [{"message": …}]}``."""
 
@@ -135,7 +113,7 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 async def graphql_endpoint(request: Request) -> JSONResponse:
     ctx: ServiceContext = request.app.state.ctx
     try:
-        caller = await authenticate(request, ctx)
+        caller = await authenticate(request, ctx, api_key(request))
     except Unauthorized as error:
         return JSONResponse(_errors(error.message), status_code=401)
     try:
@@ -143,6 +121,6 @@ async def graphql_endpoint(request: Request) -> JSONResponse:
     except ValueError as error:
         return JSONResponse(_errors(str(error)), status_code=400)
     context = graphql_resolvers.GqlContext(ctx=ctx, caller=caller,
-                                           wake=partial(_wake, request))
+                                           wake=partial(wake, request))
     out = await run_in_threadpool(execute, context, query, variables, operation)
     return JSONResponse(out)

@@ -4,22 +4,26 @@ same validation, quotas, spend limits, events) and renders the result with ``map
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from graphql import GraphQLObjectType, GraphQLResolveInfo, GraphQLSchema
-from sqlalchemy import select
 
-from gpucloud.compat.runpod import mapping
-from gpucloud.core.access import SshKeyAddRequest
+from gpucloud.compat.runpod import actions, catalog, mapping
+from gpucloud.compat.runpod.rest_common import PodPricing
 from gpucloud.core.errors import InvalidInput
-from gpucloud.core.gpu_models import lookup
-from gpucloud.core.models import NodeOut, PodOut
-from gpucloud.core.phases import NodeStatus
-from gpucloud.db.models import NodeModel
-from gpucloud.services import nodes, pods, prices, ssh_keys, templates, volumes
+from gpucloud.core.models import PodOut
+from gpucloud.core.serverless import EndpointCreateRequest, EndpointOut, EndpointUpdateRequest
+from gpucloud.core.spec import TemplateOut
+from gpucloud.services import (
+    endpoints,
+    pods,
+    registry_auths,
+    ssh_keys,
+    templates,
+    volumes,
+)
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.projects import Principal
 
@@ -45,39 +49,24 @@ def _gc(info: Info) -> GqlContext:
 # ---------------------------------------------------------------- pods, rendered
 
 
-def _node_models(ctx: ServiceContext) -> dict[str, str]:
-    """GPU UUID → canonical model, over every registered node."""
-    with ctx.db.read() as session:
-        rows = session.scalars(select(NodeModel.gpus)).all()
-    return {str(g["uuid"]): mapping.gpu_model(str(g.get("model", "")) or "?")
-            for gpus in rows for g in gpus}
-
-
-def _pod_model(pod: PodOut, models: dict[str, str]) -> str | None:
-    for uuid in pod.gpu_uuids:
-        if uuid in models:
-            return models[uuid]
-    return mapping.gpu_model(pod.gpu_type) if pod.gpu_type else None
-
-
-def shapes(ctx: ServiceContext, items: list[PodOut], terminated: bool = False
+def shapes(gc: GqlContext, items: list[PodOut], terminated: bool = False
            ) -> list[dict[str, Any]]:
-    """Pods in RunPod's shape, priced from the catalog (one price book per call)."""
-    now = ctx.clock.now()
-    models = _node_models(ctx) if any(p.gpus for p in items) else {}
-    with ctx.db.read() as session:
-        book = prices.load_book(session)
+    """Pods in RunPod's shape, priced from the catalog (one price book per call), with
+    the id of the registry credentials each pulls with."""
+    pricing = PodPricing.load(gc.ctx)
+    auth_ids = {a.name: a.id for a in registry_auths.list_registry_auths(gc.ctx, gc.caller)
+                } if any(p.registry_auth for p in items) else {}
     out = []
     for pod in items:
-        model = _pod_model(pod, models)
-        cost = mapping.hourly_price(book, model, pod.gpus, pod.cpu, pod.spot, now)
-        out.append(mapping.pod_shape(pod, model=model, cost_per_hr=cost, now=now,
-                                     terminated=terminated))
+        shape = mapping.pod_shape(pod, model=pricing.model(pod), cost_per_hr=pricing.cost(pod),
+                                  now=pricing.now, terminated=terminated)
+        shape["containerRegistryAuthId"] = auth_ids.get(pod.registry_auth or "")
+        out.append(shape)
     return out
 
 
 def _one(gc: GqlContext, pod: PodOut) -> dict[str, Any]:
-    return shapes(gc.ctx, [pod])[0]
+    return shapes(gc, [pod])[0]
 
 
 # ---------------------------------------------------------------- queries
@@ -92,18 +81,32 @@ def myself(_root: Any, info: Info) -> dict[str, Any]:
 
 def user_pods(_user: Any, info: Info) -> list[dict[str, Any]]:
     gc = _gc(info)
-    return shapes(gc.ctx, pods.list_pods(gc.ctx, gc.caller, None, 10000))
+    return shapes(gc, pods.list_pods(gc.ctx, gc.caller, None, 10000))
 
 
 def user_volumes(_user: Any, info: Info) -> list[dict[str, Any]]:
     gc = _gc(info)
-    return [{"id": v.name, "name": v.name, "size": mapping.gib(v.size_bytes),
-             "dataCenterId": v.zone} for v in volumes.list_volumes(gc.ctx, gc.caller)]
+    return [actions.volume_shape(v) for v in volumes.list_volumes(gc.ctx, gc.caller)]
+
+
+def user_registry_auths(_user: Any, info: Info) -> list[dict[str, Any]]:
+    gc = _gc(info)
+    return [{"id": a.id, "name": a.name}
+            for a in registry_auths.list_registry_auths(gc.ctx, gc.caller)]
 
 
 def user_templates(_user: Any, info: Info) -> list[dict[str, Any]]:
     gc = _gc(info)
-    return [mapping.template_shape(t) for t in templates.list_templates(gc.ctx, gc.caller)]
+    return [_template(gc, t) for t in templates.list_templates(gc.ctx, gc.caller)]
+
+
+def _template(gc: GqlContext, template: TemplateOut) -> dict[str, Any]:
+    """``template_shape`` with the id of the registry credentials it pulls with."""
+    shape = mapping.template_shape(template)
+    ids = {a.name: a.id for a in registry_auths.list_registry_auths(gc.ctx, gc.caller)
+           } if template.registry_auth else {}
+    shape["containerRegistryAuthId"] = ids.get(template.registry_auth or "")  # None: gone
+    return shape
 
 
 def pod(_root: Any, info: Info, input: Args) -> dict[str, Any]:  # noqa: A002
@@ -111,61 +114,13 @@ def pod(_root: Any, info: Info, input: Args) -> dict[str, Any]:  # noqa: A002
     return _one(gc, pods.get_pod(gc.ctx, gc.caller, input["podId"]))
 
 
-@dataclass
-class _Stock:
-    """One GPU model across the live fleet."""
-
-    memory_mib: int = 0
-    total: int = 0
-    free: int = 0
-    max_free_on_a_node: int = 0
-
-
-def _fleet(ctx: ServiceContext) -> dict[str, _Stock]:
-    """Per model: GPUs on Ready, uncordoned nodes, and how many of them are free now
-    (a node's allocated GPUs are taken from its own model's count)."""
-    stock: dict[str, _Stock] = {}
-    for node in nodes.list_nodes(ctx):
-        counts = Counter(mapping.gpu_model(g.model) for g in node.gpus)
-        free_here = _free_on(node, counts)
-        for model, count in counts.items():
-            entry = stock.setdefault(model, _Stock())
-            entry.memory_mib = max(entry.memory_mib, _memory(node, model))
-            entry.total += count
-            entry.free += free_here.get(model, 0)
-            entry.max_free_on_a_node = max(entry.max_free_on_a_node, free_here.get(model, 0))
-    return stock
-
-
-def _memory(node: NodeOut, model: str) -> int:
-    return max((g.memory_mib for g in node.gpus if mapping.gpu_model(g.model) == model),
-               default=0)
-
-
-def _free_on(node: NodeOut, counts: Counter[str]) -> dict[str, int]:
-    if node.status is not NodeStatus.READY or node.cordoned:
-        return {}
-    left = node.gpus_allocated
-    free: dict[str, int] = {}
-    for model, count in sorted(counts.items()):
-        used = min(left, count)
-        left -= used
-        free[model] = count - used
-    return free
-
-
 def gpu_types(_root: Any, info: Info, input: Args | None = None  # noqa: A002
               ) -> list[dict[str, Any]]:
     """``gpuTypes``: every model the live fleet has (``input.id``: that one, by RunPod id,
     display name or gpucloud name; an unknown one gives an empty list, as on RunPod)."""
     gc = _gc(info)
-    fleet = _fleet(gc.ctx)
     wanted = _wanted_models(input or {})
-    with gc.ctx.db.read() as session:
-        book = prices.load_book(session)
-    now = gc.ctx.clock.now()
-    return [_gpu_type(model, entry, book, now) for model, entry in sorted(fleet.items())
-            if wanted is None or model in wanted]
+    return [_gpu_type(entry) for entry in catalog.gpu_catalog(gc.ctx, wanted)]
 
 
 def _wanted_models(filt: Args) -> set[str] | None:
@@ -173,21 +128,17 @@ def _wanted_models(filt: Args) -> set[str] | None:
     return {mapping.gpu_model(i, "input.id") for i in ids} if ids else None
 
 
-def _gpu_type(model: str, entry: _Stock, book: prices.PriceBook, now: Any
-              ) -> dict[str, Any]:
-    on_demand = float(mapping.hourly_price(book, model, 1, 0, False, now))
-    spot = float(mapping.hourly_price(book, model, 1, 0, True, now))
-    known = lookup(model)
-    memory = entry.memory_mib or (known.memory_mib if known else 0)
+def _gpu_type(entry: catalog.GpuStock) -> dict[str, Any]:
+    """One ``GpuType``; ``maxGpuCount`` is the most free GPUs of it on one node."""
     return {
-        "id": mapping.gpu_type_id(model), "displayName": mapping.gpu_display_name(model),
-        "manufacturer": "Nvidia", "memoryInGb": round(memory / 1024), "cudaCores": 0,
+        "id": entry.type_id, "displayName": entry.display_name,
+        "manufacturer": "Nvidia", "memoryInGb": entry.memory_gb, "cudaCores": 0,
         "secureCloud": True, "communityCloud": False,
-        "securePrice": on_demand, "communityPrice": None, "oneMonthPrice": None,
+        "securePrice": entry.on_demand, "communityPrice": None, "oneMonthPrice": None,
         "threeMonthPrice": None, "oneWeekPrice": None, "communitySpotPrice": None,
-        "secureSpotPrice": spot, "maxGpuCount": entry.max_free_on_a_node,
-        "maxGpuCountSecureCloud": entry.max_free_on_a_node, "maxGpuCountCommunityCloud": 0,
-        "_model": model, "_stock": entry, "_prices": (on_demand, spot),
+        "secureSpotPrice": entry.spot, "maxGpuCount": entry.most_free_on_a_node,
+        "maxGpuCountSecureCloud": entry.most_free_on_a_node, "maxGpuCountCommunityCloud": 0,
+        "_stock": entry,
     }
 
 
@@ -198,17 +149,16 @@ def lowest_price(gpu_type: dict[str, Any], _info: Info,
     count = int((input or {}).get("gpuCount") or 1)
     if count < 1:
         raise InvalidInput("lowestPrice.input.gpuCount", "must be at least 1")
-    entry: _Stock = gpu_type["_stock"]
-    on_demand, spot = gpu_type["_prices"]
-    available = entry.max_free_on_a_node >= count
+    entry: catalog.GpuStock = gpu_type["_stock"]
+    most = entry.most_free_on_a_node
+    available = most >= count
     return {
-        "gpuName": gpu_type["displayName"], "gpuTypeId": gpu_type["id"],
-        "minimumBidPrice": spot * count if available else None,
-        "uninterruptablePrice": on_demand * count if available else None,
+        "gpuName": entry.display_name, "gpuTypeId": entry.type_id,
+        "minimumBidPrice": entry.spot * count if available else None,
+        "uninterruptablePrice": entry.on_demand * count if available else None,
         "minMemory": None, "minVcpu": None,
         "stockStatus": _stock_status(entry.free) if available else None,
-        "maxUnreservedGpuCount": entry.max_free_on_a_node,
-        "availableGpuCounts": list(range(1, entry.max_free_on_a_node + 1)),
+        "maxUnreservedGpuCount": most, "availableGpuCounts": list(range(1, most + 1)),
         "compliance": [], "countryCode": None, "rentalPercentage": (
             round(1 - entry.free / entry.total, 3) if entry.total else 0.0),
     }
@@ -259,27 +209,30 @@ def _pod_input(data: Args, gpu: bool, spot: bool = False) -> mapping.RunpodPodIn
         bid_per_gpu=data.get("bidPerGpu") if spot else None)
 
 
-def _create(info: Info, spec: mapping.RunpodPodInput) -> dict[str, Any]:
+def _create(info: Info, spec: mapping.RunpodPodInput, data: Args) -> dict[str, Any]:
     gc = _gc(info)
-    created = pods.create_pod(gc.ctx, gc.caller, mapping.create_request(spec))
+    request = actions.with_registry(gc.ctx, gc.caller, mapping.create_request(spec),
+                                    data.get("containerRegistryAuthId"),
+                                    "containerRegistryAuthId")
+    created = pods.create_pod(gc.ctx, gc.caller, request)
     gc.wake()
     return _one(gc, created)
 
 
 def deploy_on_demand(_root: Any, info: Info, input: Args | None = None  # noqa: A002
                      ) -> dict[str, Any]:
-    return _create(info, _pod_input(input or {}, gpu=True))
+    return _create(info, _pod_input(input or {}, gpu=True), input or {})
 
 
 def deploy_cpu(_root: Any, info: Info, input: Args | None = None  # noqa: A002
                ) -> dict[str, Any]:
-    return _create(info, _pod_input(input or {}, gpu=False))
+    return _create(info, _pod_input(input or {}, gpu=False), input or {})
 
 
 def rent_interruptable(_root: Any, info: Info, input: Args  # noqa: A002
                        ) -> dict[str, Any]:
     """Spot (``--spot``): preempted with a notice, ``bidPerGpu`` recorded as the bid."""
-    return _create(info, _pod_input(input, gpu=True, spot=True))
+    return _create(info, _pod_input(input, gpu=True, spot=True), input)
 
 
 def pod_stop(_root: Any, info: Info, input: Args) -> dict[str, Any]:  # noqa: A002
@@ -300,9 +253,18 @@ def pod_resume(_root: Any, info: Info, input: Args) -> dict[str, Any]:  # noqa: 
 
 def pod_bid_resume(_root: Any, info: Info, input: Args  # noqa: A002
                    ) -> dict[str, Any]:
-    """``podBidResume``: a spot pod's resume (the bid is not changed: gpucloud records the
-    bid at creation)."""
-    return pod_resume(_root, info, input)
+    """``podBidResume``: a stopped spot pod started again, ``bidPerGpu`` its bid from now."""
+    gc = _gc(info)
+    count = input.get("gpuCount")
+    started = actions.bid_resume(gc.ctx, gc.caller, input["podId"], float(input["bidPerGpu"]),
+                                 None if count is None else float(count), gc.wake)
+    return _one(gc, started)
+
+
+def pod_restart(_root: Any, info: Info, input: Args) -> dict[str, Any]:  # noqa: A002
+    """``podRestart``: stop, then start the same pod in place (its volume kept)."""
+    gc = _gc(info)
+    return _one(gc, actions.restart_pod(gc.ctx, gc.caller, input["podId"], gc.wake))
 
 
 def pod_terminate(_root: Any, info: Info, input: Args) -> None:  # noqa: A002
@@ -321,38 +283,15 @@ def update_user_settings(_root: Any, info: Info, input: Args  # noqa: A002
     text = input.get("pubKey")
     if text is None:
         return myself(None, info)
-    wanted = _parsed_lines(text)
-    current = ssh_keys.list_keys(gc.ctx, gc.caller)
-    have = {k.fingerprint for k in current}
-    for key in current:
-        if key.fingerprint not in wanted:
-            ssh_keys.remove_key(gc.ctx, gc.caller, key.id)
-    for fingerprint, line in wanted.items():
-        if fingerprint not in have:
-            ssh_keys.add_key(gc.ctx, gc.caller, SshKeyAddRequest(public_key=line))
+    actions.replace_ssh_keys(gc.ctx, gc.caller, text.splitlines(), "pubKey")
     return myself(None, info)
-
-
-def _parsed_lines(text: str) -> dict[str, str]:
-    """Fingerprint → key line, for every non-empty line (InvalidInput on a bad one)."""
-    out: dict[str, str] = {}
-    for index, line in enumerate(x.strip() for x in text.splitlines()):
-        if not line:
-            continue
-        try:
-            parsed = ssh_keys.parse_public_key(line)
-        except InvalidInput as error:
-            raise InvalidInput(f"pubKey[{index}]", error.message.split(": ", 1)[-1]) from None
-        out.setdefault(parsed.fingerprint, line)
-    return out
 
 
 def save_template(_root: Any, info: Info, input: Args  # noqa: A002
                   ) -> dict[str, Any]:
     gc = _gc(info)
-    if input.get("isServerless"):
-        raise InvalidInput("isServerless", "serverless templates are not supported here; "
-                                           "create a pod template (isServerless: false)")
+    # A serverless template (isServerless: true) is an ordinary template here: endpoints
+    # (saveEndpoint) are created from templates as pods are.
     entrypoint, command = mapping.parse_docker_args(input.get("dockerArgs"))
     spec = mapping.RunpodTemplateInput(
         name=input["name"], image=input["imageName"], entrypoint=entrypoint, command=command,
@@ -360,8 +299,137 @@ def save_template(_root: Any, info: Info, input: Args  # noqa: A002
         volume_mount_path=input.get("volumeMountPath"),
         ports=mapping.parse_ports(input.get("ports")),
         env=mapping.env_from_pairs(input.get("env")), start_ssh=bool(input.get("startSsh")))
-    created = templates.create_template(gc.ctx, gc.caller, mapping.template_request(spec))
-    return mapping.template_shape(created)
+    request = actions.with_registry(gc.ctx, gc.caller, mapping.template_request(spec),
+                                    input.get("containerRegistryAuthId"),
+                                    "containerRegistryAuthId")
+    return _template(gc, templates.create_template(gc.ctx, gc.caller, request))
+
+
+def delete_template(_root: Any, info: Info, templateName: str  # noqa: N803
+                    ) -> None:
+    """``deleteTemplate(templateName)`` (SkyPilot's teardown): by name (or id)."""
+    gc = _gc(info)
+    templates.delete_template(gc.ctx, gc.caller, templateName)
+
+
+# ---------------------------------------------------------------- mutations: storage
+
+
+def create_network_volume(_root: Any, info: Info, input: Args  # noqa: A002
+                          ) -> dict[str, Any]:
+    """A gpucloud network volume of ``size`` GB; its RunPod id is its name."""
+    gc = _gc(info)
+    return actions.volume_shape(actions.create_network_volume(
+        gc.ctx, gc.caller, input["name"], input["size"], input.get("dataCenterId")))
+
+
+def delete_network_volume(_root: Any, info: Info, input: Args) -> None:  # noqa: A002
+    gc = _gc(info)
+    volumes.delete_volume(gc.ctx, gc.caller, input["id"])
+
+
+def save_registry_auth(_root: Any, info: Info, input: Args  # noqa: A002
+                       ) -> dict[str, Any]:
+    gc = _gc(info)
+    auth = actions.add_registry_auth(gc.ctx, gc.caller, input["name"], input["username"],
+                                     input["password"])
+    return {"id": auth.id, "name": auth.name}
+
+
+def delete_registry_auth(_root: Any, info: Info, registryAuthId: str  # noqa: N803
+                         ) -> None:
+    gc = _gc(info)
+    registry_auths.remove_registry_auth(
+        gc.ctx, gc.caller, actions.registry_auth(gc.ctx, gc.caller, registryAuthId).id)
+
+
+# ---------------------------------------------------------------- serverless endpoints
+
+_SCALERS = {"QUEUE_DELAY": "queue-delay", "REQUEST_COUNT": "request-count"}
+
+
+def _endpoint_shape(endpoint: EndpointOut, template_ids: dict[str, str]) -> dict[str, Any]:
+    """An endpoint as RunPod's ``saveEndpoint`` / ``myself { endpoints }`` show it."""
+    volume = endpoint.network_volumes[0].split(":")[0] if endpoint.network_volumes else None
+    return {
+        "id": endpoint.id, "name": endpoint.name,
+        "templateId": template_ids.get(endpoint.template or "", endpoint.template),
+        "gpuIds": endpoint.gpu_ids or "", "networkVolumeId": volume or "",
+        "networkVolume": {"id": volume, "name": volume} if volume else None,
+        "locations": "", "idleTimeout": round(endpoint.idle_timeout_seconds),
+        "scalerType": endpoint.scaler.upper().replace("-", "_"),
+        "scalerValue": endpoint.scaler_value, "workersMin": endpoint.min_workers,
+        "workersMax": endpoint.max_workers, "workersStandby": endpoint.workers_idle,
+        "allowedCudaVersions": "", "gpuCount": int(endpoint.gpus),
+        "flashBootType": "OFF",
+        "executionTimeoutMs": round(endpoint.execution_timeout_seconds * 1000),
+        "aiKey": None, "type": "QUEUE", "userId": endpoint.project, "version": 0,
+        "env": mapping.env_pairs(endpoint.env), "createdAt": endpoint.created_at.isoformat(),
+    }
+
+
+def _template_ids(gc: GqlContext) -> dict[str, str]:
+    return {t.name: t.id for t in templates.list_templates(gc.ctx, gc.caller)}
+
+
+def user_endpoints(_user: Any, info: Info) -> list[dict[str, Any]]:
+    gc = _gc(info)
+    ids = _template_ids(gc)
+    return [_endpoint_shape(e, ids) for e in endpoints.list_endpoints(gc.ctx, gc.caller)]
+
+
+def _endpoint_fields(gc: GqlContext, data: Args) -> dict[str, Any]:
+    """RunPod's endpoint input as gpucloud's request fields (those given)."""
+    fields: dict[str, Any] = {}
+    if data.get("templateId"):
+        fields["template"] = templates.get_template(gc.ctx, gc.caller, data["templateId"]).name
+    scaler = data.get("scalerType")
+    if scaler is not None:
+        if scaler not in _SCALERS:
+            raise InvalidInput("scalerType", f"{scaler!r} is not QUEUE_DELAY or REQUEST_COUNT")
+        fields["scaler"] = _SCALERS[scaler]
+    if data.get("networkVolumeId"):
+        fields["network_volumes"] = [data["networkVolumeId"]]
+    if data.get("executionTimeoutMs") is not None:
+        fields["execution_timeout"] = data["executionTimeoutMs"] / 1000
+    for key, field in (("gpuIds", "gpu_ids"), ("idleTimeout", "idle_timeout"),
+                       ("scalerValue", "scaler_value"), ("workersMin", "min_workers"),
+                       ("workersMax", "max_workers"), ("gpuCount", "gpus")):
+        if data.get(key) is not None and data.get(key) != "":
+            fields[field] = data[key]
+    return fields
+
+
+def save_endpoint(_root: Any, info: Info, input: Args  # noqa: A002
+                  ) -> dict[str, Any]:
+    """Create an endpoint from a template (``templateId``), or change one (``id``)."""
+    gc = _gc(info)
+    fields = _endpoint_fields(gc, input)
+    if input.get("id"):
+        # an endpoint keeps its name (RunPod's clients resend it on a change)
+        saved = endpoints.update_endpoint(gc.ctx, gc.caller, input["id"],
+                                          templates.merge_over(EndpointUpdateRequest, {},
+                                                               fields))
+    else:
+        if "template" not in fields:
+            raise InvalidInput("templateId", "field required: the template of the workers")
+        saved = endpoints.create_endpoint(gc.ctx, gc.caller, templates.merge_over(
+            EndpointCreateRequest, {}, {"name": input.get("name"), **fields}))
+    return _endpoint_shape(saved, _template_ids(gc))
+
+
+def update_endpoint_template(_root: Any, info: Info, input: Args  # noqa: A002
+                             ) -> dict[str, Any]:
+    gc = _gc(info)
+    name = templates.get_template(gc.ctx, gc.caller, input["templateId"]).name
+    saved = endpoints.update_endpoint(gc.ctx, gc.caller, input["endpointId"],
+                                      EndpointUpdateRequest(template=name))
+    return _endpoint_shape(saved, _template_ids(gc))
+
+
+def delete_endpoint(_root: Any, info: Info, id: str) -> None:  # noqa: A002
+    gc = _gc(info)
+    endpoints.delete_endpoint(gc.ctx, gc.caller, id)
 
 
 # ---------------------------------------------------------------- binding
@@ -372,12 +440,18 @@ ROOT: dict[str, dict[str, Callable[..., Any]]] = {
     "Mutation": {
         "podFindAndDeployOnDemand": deploy_on_demand, "deployCpuPod": deploy_cpu,
         "podRentInterruptable": rent_interruptable, "podStop": pod_stop,
-        "podResume": pod_resume, "podBidResume": pod_bid_resume,
+        "podResume": pod_resume, "podBidResume": pod_bid_resume, "podRestart": pod_restart,
+        "createNetworkVolume": create_network_volume,
+        "deleteNetworkVolume": delete_network_volume,
+        "saveRegistryAuth": save_registry_auth, "deleteRegistryAuth": delete_registry_auth,
+        "deleteTemplate": delete_template,
         "podTerminate": pod_terminate, "updateUserSettings": update_user_settings,
-        "saveTemplate": save_template,
+        "saveTemplate": save_template, "saveEndpoint": save_endpoint,
+        "updateEndpointTemplate": update_endpoint_template, "deleteEndpoint": delete_endpoint,
     },
     "User": {"pods": user_pods, "networkVolumes": user_volumes,
-             "podTemplates": user_templates},
+             "containerRegistryCreds": user_registry_auths,
+             "podTemplates": user_templates, "endpoints": user_endpoints},
     "GpuType": {"lowestPrice": lowest_price},
 }
 

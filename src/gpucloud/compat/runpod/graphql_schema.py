@@ -54,6 +54,7 @@ SDL = f"""
 enum CloudTypeEnum {{ ALL SECURE COMMUNITY }}
 enum PodStatus {{ CREATED RUNNING RESTARTING EXITED PAUSED DEAD TERMINATED }}
 enum PodType {{ INTERRUPTABLE RESERVED BID BACKGROUND }}
+enum FlashBootType {{ FLASHBOOT OFF }}
 scalar Void
 
 type Query {{
@@ -69,9 +70,18 @@ type Mutation {{
   podStop(input: PodStopInput!): Pod
   podResume(input: PodResumeInput!): Pod
   podBidResume(input: PodBidResumeInput!): Pod
+  podRestart(input: PodRestartInput!): Pod
   podTerminate(input: PodTerminateInput!): Void
   updateUserSettings(input: UpdateUserSettingsInput!): User
   saveTemplate(input: SaveTemplateInput): PodTemplate
+  deleteTemplate(templateName: String!): Void
+  createNetworkVolume(input: CreateNetworkVolumeInput!): NetworkVolume
+  deleteNetworkVolume(input: DeleteNetworkVolumeInput!): Void
+  saveRegistryAuth(input: SaveRegistryAuthInput!): RegistryAuth
+  deleteRegistryAuth(registryAuthId: String!): Void
+  saveEndpoint(input: EndpointInput!): Endpoint
+  updateEndpointTemplate(input: UpdateEndpointTemplateInput!): Endpoint
+  deleteEndpoint(id: String!): Void
 }}
 
 input GpuTypeFilter {{ id: String ids: [String] }}
@@ -90,7 +100,18 @@ input PodStopInput {{ podId: String! incrementVersion: Boolean }}
 input PodResumeInput {{ podId: String! gpuCount: Int syncMachine: Boolean }}
 input PodBidResumeInput {{ podId: String! bidPerGpu: Float! gpuCount: Int }}
 input PodTerminateInput {{ podId: String! }}
+input PodRestartInput {{ podId: String! }}
+input CreateNetworkVolumeInput {{ name: String! size: Int! dataCenterId: String }}
+input DeleteNetworkVolumeInput {{ id: String! }}
+input SaveRegistryAuthInput {{ name: String! username: String! password: String! }}
 input UpdateUserSettingsInput {{ pubKey: String }}
+input EndpointInput {{
+  id: String name: String templateId: String gpuIds: String networkVolumeId: String
+  locations: String idleTimeout: Int scalerType: String scalerValue: Int workersMin: Int
+  workersMax: Int allowedCudaVersions: String gpuCount: Int flashBootType: FlashBootType
+  executionTimeoutMs: Int
+}}
+input UpdateEndpointTemplateInput {{ endpointId: String! templateId: String! }}
 input SaveTemplateInput {{
   id: String name: String! imageName: String! dockerArgs: String containerDiskInGb: Int
   volumeInGb: Int volumeMountPath: String ports: String env: [EnvironmentVariableInput]
@@ -104,10 +125,39 @@ type User {{
   pubKey: String
   pods: [Pod]
   networkVolumes: [NetworkVolume]
+  containerRegistryCreds: [RegistryAuth]
   podTemplates: [PodTemplate]
+  endpoints: [Endpoint]
+}}
+
+type Endpoint {{
+  id: String
+  name: String
+  templateId: String
+  gpuIds: String
+  networkVolumeId: String
+  networkVolume: NetworkVolume
+  locations: String
+  idleTimeout: Int
+  scalerType: String
+  scalerValue: Int
+  workersMin: Int
+  workersMax: Int
+  workersStandby: Int
+  allowedCudaVersions: String
+  gpuCount: Int
+  flashBootType: FlashBootType
+  executionTimeoutMs: Int
+  aiKey: String
+  type: String
+  userId: String
+  version: Int
+  env: [EnvironmentVariable]
+  createdAt: String
 }}
 
 type NetworkVolume {{ id: String name: String size: Int dataCenterId: String }}
+type RegistryAuth {{ id: String name: String }}
 
 type GpuType {{
   id: String

@@ -257,7 +257,7 @@ def create_request(spec: RunpodPodInput) -> PodCreateRequest:
     if spec.spot:
         values["spot"] = True
         _put(values, bid=spec.bid_per_gpu)
-    return _validated(PodCreateRequest, values)
+    return validated(PodCreateRequest, values)
 
 
 def _storage(values: dict[str, Any], spec: RunpodPodInput) -> None:
@@ -289,7 +289,7 @@ def runpod_field(name: str) -> str:
     return RUNPOD_FIELD.get(head, head) + (f".{rest}" if rest else "")
 
 
-def _validated(model: type[_M], values: dict[str, Any]) -> _M:
+def validated(model: type[_M], values: dict[str, Any]) -> _M:
     """``model(**values)`` with a pydantic error turned into InvalidInput on RunPod's
     field name."""
     try:
@@ -324,7 +324,7 @@ def template_request(spec: RunpodTemplateInput) -> TemplateCreateRequest:
         values["volume_path"] = spec.volume_mount_path or DEFAULT_VOLUME_PATH
     ports = with_ssh_port(spec.ports) if spec.start_ssh else spec.ports
     _put(values, ports=ports or None)
-    return _validated(TemplateCreateRequest, values)
+    return validated(TemplateCreateRequest, values)
 
 
 def template_shape(template: TemplateOut) -> dict[str, Any]:

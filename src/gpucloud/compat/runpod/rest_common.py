@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import APIKeyHeader, APIKeyQuery
+from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,6 +34,7 @@ from gpucloud.api.errors import describe_validation, status_of
 from gpucloud.compat.runpod import mapping
 from gpucloud.core.errors import GpucloudError, InvalidInput
 from gpucloud.core.models import PodOut
+from gpucloud.db.models import NodeModel
 from gpucloud.services import auth_guard, projects, ratelimit
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.prices import PriceBook, load_book
@@ -62,7 +64,12 @@ async def runpod_principal(
     header: Annotated[str | None, Depends(RUNPOD_KEY_HEADER)],
     query: Annotated[str | None, Depends(RUNPOD_KEY_QUERY)],
 ) -> Principal:
-    key = key_of(header, query)
+    return await authenticate(request, ctx, key_of(header, query))
+
+
+async def authenticate(request: Request, ctx: ServiceContext, key: str | None) -> Principal:
+    """The caller of ``key``, through the same guard as the REST API (failed keys are
+    rate-limited) and its principal cache; GraphQL and both REST versions use it."""
     limit_keys = ratelimit.api_keys(request.client.host if request.client else None, key)
     auth_guard.check(ctx, limit_keys)
     cached = projects.cached_principal(ctx, key)
@@ -138,19 +145,31 @@ def title_of(status: int) -> str:
 
 @dataclass
 class PodPricing:
-    """What rendering a pod needs besides the pod: the price book and the time, loaded
-    once per request."""
+    """What rendering a pod needs besides the pod, loaded once per request: the price
+    book, the time, and the GPU model of every registered GPU (a pod's model is that of
+    the GPUs it holds, else the one it asked for). GraphQL and both REST versions price
+    and name a pod's GPUs through it."""
 
     book: PriceBook
     now: datetime
+    models: dict[str, str]
 
     @classmethod
     def load(cls, ctx: ServiceContext) -> PodPricing:
         with ctx.db.read() as session:
-            return cls(load_book(session), ctx.clock.now())
+            rows = session.scalars(select(NodeModel.gpus)).all()
+            models = {str(g["uuid"]): mapping.gpu_model(str(g.get("model", "")) or "?")
+                      for gpus in rows for g in gpus}
+            return cls(load_book(session), ctx.clock.now(), models)
+
+    def model(self, pod: PodOut) -> str | None:
+        for uuid in pod.gpu_uuids:
+            if uuid in self.models:
+                return self.models[uuid]
+        return mapping.gpu_model(pod.gpu_type) if pod.gpu_type else None
 
     def cost(self, pod: PodOut) -> Decimal:
-        return mapping.hourly_price(self.book, pod.gpu_type, pod.gpus, pod.cpu, pod.spot,
+        return mapping.hourly_price(self.book, self.model(pod), pod.gpus, pod.cpu, pod.spot,
                                     self.now)
 
 
@@ -165,6 +184,13 @@ def ssh_direct(pod: PodOut) -> tuple[str, int] | None:
         if port.isIpPublic and port.privatePort == 22 and port.publicPort:
             return port.ip, port.publicPort
     return None
+
+
+def wake(request: Request) -> None:
+    """Wake the app's controllers (the scheduler) after a pod was created or started."""
+    runner = getattr(request.app.state, "controllers", None)
+    if runner is not None:
+        runner.wake()
 
 
 def gateway_endpoint(request: Request) -> tuple[str, int] | None:

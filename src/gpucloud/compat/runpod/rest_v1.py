@@ -1,12 +1,15 @@
 """RunPod's REST v1 (``https://rest.runpod.io/v1``, retired by RunPod on 2026-11-15) under
 ``/runpod/v1``, for runpodctl builds and SkyPilot releases that still call it
 (``RUNPOD_API_URL``): pods listed as a bare array, created, read, deleted, started,
-stopped, reset and restarted, in v1's field names (``desiredStatus``, ``imageName``,
-``env`` as an object, ``ports`` as a list). Errors: ``{"error": …, "status": …}``.
+stopped, reset and restarted (in place), in v1's field names (``desiredStatus``,
+``imageName``, ``env`` as an object, ``ports`` as a list); network volumes
+(``/networkvolumes``) and registry credentials (``/containerregistryauth``) as gpucloud's
+own. Errors: ``{"error": …, "status": …}``.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Request, Response
@@ -14,13 +17,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from gpucloud.api.deps import Ctx
-from gpucloud.compat.runpod import mapping
+from gpucloud.compat.runpod import actions, mapping
 from gpucloud.compat.runpod.rest_common import (
     Failure,
     PodPricing,
     RunpodCaller,
     RunpodRoute,
     gpu_count,
+    wake,
 )
 from gpucloud.compat.runpod.rest_v2 import (
     Env,
@@ -28,12 +32,12 @@ from gpucloud.compat.runpod.rest_v2 import (
     PortList,
     Short,
     Text,
-    run_action,
     template_name,
 )
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.models import MAX_GPUS_PER_POD, PodOut
-from gpucloud.services import pods
+from gpucloud.core.spec import DnsName
+from gpucloud.services import pods, registry_auths, volumes
 
 PREFIX = "/runpod/v1"
 
@@ -181,14 +185,14 @@ def pod_input(body: CreatePodV1Request) -> mapping.RunpodPodInput:
 
 
 def pod_v1(pod: PodOut, pricing: PodPricing) -> PodV1Out:
-    shape = mapping.pod_shape(pod, model=pod.gpu_type, cost_per_hr=pricing.cost(pod),
-                              now=pricing.now)
+    model = pricing.model(pod)
+    shape = mapping.pod_shape(pod, model=model, cost_per_hr=pricing.cost(pod), now=pricing.now)
     runtime = shape["runtime"]
     return PodV1Out(
         id=pod.id, name=pod.name, desiredStatus=shape["desiredStatus"],
         createdAt=shape["createdAt"], lastStatusChange=shape["lastStatusChange"],
         uptimeSeconds=shape["uptimeSeconds"], imageName=pod.image,
-        gpuTypeId=mapping.gpu_type_id(pod.gpu_type) if pod.gpu_type else None,
+        gpuTypeId=mapping.gpu_type_id(model) if model else None,
         gpuCount=gpu_count(pod), vcpuCount=pod.cpu, memoryInGb=shape["memoryInGb"],
         volumeInGb=shape["volumeInGb"], containerDiskInGb=shape["containerDiskInGb"],
         volumeMountPath=shape["volumeMountPath"], networkVolumeId=shape["networkVolumeId"],
@@ -206,12 +210,6 @@ def _json(content: str, status: int = 200) -> Response:
     return Response(content, status_code=status, media_type="application/json")
 
 
-def _wake(request: Request) -> None:
-    runner = getattr(request.app.state, "controllers", None)
-    if runner is not None:
-        runner.wake()
-
-
 @router.get("/pods", response_model=list[PodV1Out])
 def list_pods(ctx: Ctx, caller: RunpodCaller) -> Response:
     pricing = PodPricing.load(ctx)
@@ -225,7 +223,7 @@ def create_pod(body: CreatePodV1Request, ctx: Ctx, caller: RunpodCaller,
     spec = pod_input(body)
     spec.template_id = template_name(ctx, caller, spec.template_id)
     pod = pods.create_pod(ctx, caller, mapping.create_request(spec))
-    _wake(request)
+    wake(request)
     return _json(pod_v1(pod, PodPricing.load(ctx)).model_dump_json(), 201)
 
 
@@ -249,14 +247,116 @@ def delete_pod(podId: PodRef, ctx: Ctx, caller: RunpodCaller) -> Response:  # no
 def _action_route(action: str) -> None:
     def act(podId: PodRef, ctx: Ctx, caller: RunpodCaller,  # noqa: N803
             request: Request) -> Response:
-        pod = run_action(ctx, caller, podId, action, request)
+        pod = actions.run_action(ctx, caller, podId, action, partial(wake, request))
         assert pod is not None
         return _json(pod_v1(pod, PodPricing.load(ctx)).model_dump_json())
 
-    act.__doc__ = f"``{action}`` the pod (restart and reset: of an ended pod, a start)."
+    act.__doc__ = f"``{action}`` the pod (restart and reset: stop, then start, in place)."
     router.add_api_route(f"/pods/{{podId}}/{action}", act, methods=["POST"],
                          response_model=PodV1Out, name=f"runpod_v1_{action}_pod")
 
 
 for _action in ("start", "stop", "reset", "restart"):
     _action_route(_action)
+
+
+# ---------------------------------------------------------------- network volumes
+
+
+VolumeRef = Annotated[str, Path(min_length=1, max_length=255)]
+#: RunPod's data center ids (``US-TX-3``) are DNS labels but for case: the zone, lower-cased.
+DataCenter = Annotated[str, StringConstraints(max_length=63,
+                                              pattern=r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?$")]
+
+
+class CreateNetworkVolumeV1Request(BaseModel):
+    """runpodctl's ``NetworkVolumeCreateInput``: a gpucloud network volume."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: DnsName
+    size: int = Field(ge=1, le=1024**2)  # GB, up to the 1 PiB a volume may have
+    dataCenterId: DataCenter | None = None  # noqa: N815
+
+
+class NetworkVolumeV1Out(BaseModel):
+    id: str
+    name: str
+    size: int
+    dataCenterId: str | None  # noqa: N815
+
+
+@router.get("/networkvolumes", response_model=list[NetworkVolumeV1Out])
+def list_network_volumes(ctx: Ctx, caller: RunpodCaller) -> list[dict[str, Any]]:
+    return [actions.volume_shape(v) for v in volumes.list_volumes(ctx, caller)]
+
+
+@router.post("/networkvolumes", status_code=201, response_model=NetworkVolumeV1Out)
+def create_network_volume(body: CreateNetworkVolumeV1Request, ctx: Ctx,
+                          caller: RunpodCaller) -> dict[str, Any]:
+    """``size`` in GB; ``dataCenterId`` becomes the volume's zone (lower-cased)."""
+    return actions.volume_shape(actions.create_network_volume(
+        ctx, caller, body.name, body.size, body.dataCenterId))
+
+
+@router.get("/networkvolumes/{networkVolumeId}", response_model=NetworkVolumeV1Out)
+def get_network_volume(networkVolumeId: VolumeRef, ctx: Ctx,  # noqa: N803 - RunPod's name
+                       caller: RunpodCaller) -> dict[str, Any]:
+    return actions.volume_shape(volumes.get_volume(ctx, caller, networkVolumeId))
+
+
+@router.delete("/networkvolumes/{networkVolumeId}", status_code=204)
+def delete_network_volume(networkVolumeId: VolumeRef, ctx: Ctx,  # noqa: N803
+                          caller: RunpodCaller) -> Response:
+    """409 while a live pod mounts it."""
+    volumes.delete_volume(ctx, caller, networkVolumeId)
+    return Response(status_code=204)
+
+
+# ---------------------------------------------------------------- registry credentials
+
+
+class CreateRegistryAuthV1Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: DnsName
+    username: Name
+    password: Annotated[str, StringConstraints(min_length=1, max_length=16384)]
+
+
+class RegistryAuthV1Out(BaseModel):
+    id: str
+    name: str
+
+
+AuthRef = Annotated[str, Path(min_length=1, max_length=255)]
+
+
+@router.get("/containerregistryauth", response_model=list[RegistryAuthV1Out])
+def list_registry_auths(ctx: Ctx, caller: RunpodCaller) -> list[dict[str, str]]:
+    return [{"id": a.id, "name": a.name}
+            for a in registry_auths.list_registry_auths(ctx, caller)]
+
+
+@router.post("/containerregistryauth", status_code=201, response_model=RegistryAuthV1Out)
+def create_registry_auth(body: CreateRegistryAuthV1Request, ctx: Ctx,
+                         caller: RunpodCaller) -> dict[str, str]:
+    """The password is stored for the agents and never returned."""
+    auth = actions.add_registry_auth(ctx, caller, body.name, body.username, body.password)
+    return {"id": auth.id, "name": auth.name}
+
+
+@router.get("/containerregistryauth/{containerRegistryAuthId}",
+            response_model=RegistryAuthV1Out)
+def get_registry_auth(containerRegistryAuthId: AuthRef, ctx: Ctx,  # noqa: N803
+                      caller: RunpodCaller) -> dict[str, str]:
+    auth = actions.registry_auth(ctx, caller, containerRegistryAuthId)
+    return {"id": auth.id, "name": auth.name}
+
+
+@router.delete("/containerregistryauth/{containerRegistryAuthId}", status_code=204)
+def delete_registry_auth(containerRegistryAuthId: AuthRef, ctx: Ctx,  # noqa: N803
+                         caller: RunpodCaller) -> Response:
+    registry_auths.remove_registry_auth(
+        ctx, caller, actions.registry_auth(ctx, caller, containerRegistryAuthId).id)
+    return Response(status_code=204)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request, Response
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from gpucloud.api.deps import Ctx
-from gpucloud.compat.runpod import mapping
+from gpucloud.compat.runpod import actions, catalog, mapping
 from gpucloud.compat.runpod.rest_common import (
     Failure,
     PodPricing,
@@ -27,16 +28,15 @@ from gpucloud.compat.runpod.rest_common import (
     gpu_count,
     ssh_direct,
     title_of,
+    wake,
 )
-from gpucloud.core.access import SshKeyAddRequest
 from gpucloud.core.errors import Conflict, InvalidInput, NotFound
 from gpucloud.core.models import MAX_GPUS_PER_POD, PodOut
-from gpucloud.core.phases import NodeStatus, PodPhase
-from gpucloud.core.spec import RegistryAuthAddRequest, TemplateOut
-from gpucloud.services import nodes, pods, registry_auths, ssh_keys, templates
+from gpucloud.core.phases import PodPhase
+from gpucloud.core.spec import TemplateOut
+from gpucloud.services import pods, registry_auths, ssh_keys, templates
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.projects import Principal
-from gpucloud.services.ssh_keys import parse_public_key
 
 PREFIX = "/runpod/v2"
 PROBLEM = "application/problem+json"
@@ -246,11 +246,11 @@ class CpuOut(BaseModel):
     memory: int
 
 
-class PodV2Out(BaseModel):
+class ContainerV2Out(BaseModel):
+    """What a v2 pod and template both show of their container."""
+
     id: str
     name: str
-    status: Literal["PROVISIONING", "STARTING", "RUNNING", "EXITED", "ERROR", "TERMINATED"]
-    actions: list[str]
     image: str
     args: str
     disk: int
@@ -258,6 +258,11 @@ class PodV2Out(BaseModel):
     ports: list[str]
     env: dict[str, str]
     registry: str | None
+
+
+class PodV2Out(ContainerV2Out):
+    status: Literal["PROVISIONING", "STARTING", "RUNNING", "EXITED", "ERROR", "TERMINATED"]
+    actions: list[str]
     cloud: str
     dataCenterId: str | None  # noqa: N815
     cudaVersion: str | None  # noqa: N815
@@ -283,16 +288,7 @@ class ListPodsOut(BaseModel):
     pagination: PaginationOut
 
 
-class TemplateV2Out(BaseModel):
-    id: str
-    name: str
-    image: str
-    args: str
-    disk: int
-    mounts: dict[str, Any]
-    ports: list[str]
-    env: dict[str, str]
-    registry: str | None
+class TemplateV2Out(ContainerV2Out):
     serverless: bool
     public: bool
     category: str
@@ -400,7 +396,8 @@ def pod_v2(pod: PodOut, pricing: PodPricing, request: Request,
                            ports=_runtime_ports(pod)) if running else None,
         createdAt=pod.created_at.isoformat(),
         startedAt=pod.started_at.isoformat() if pod.started_at else None,
-        gpu=GpuOut(id=mapping.gpu_type_id(pod.gpu_type) if pod.gpu_type else "", count=count)
+        gpu=GpuOut(id=mapping.gpu_type_id(model) if (model := pricing.model(pod)) else "",
+                   count=count)
         if count else None,
         cpu=None if count else CpuOut(id="cpu", vcpuCount=max(1, round(pod.cpu)),
                                       memory=max(1, mapping.gib(pod.memory_bytes))))
@@ -435,17 +432,6 @@ def pod_input(body: CreatePodRequest) -> mapping.RunpodPodInput:
         network_volume_id=network.volumeId if network else None, start_ssh=body.startSsh)
 
 
-def _with_registry(ctx: ServiceContext, caller: Principal, request: Any,
-                   registry: str | None) -> Any:
-    """The request naming the registry credentials ``registry`` (RunPod's id) names."""
-    if not registry:
-        return request
-    for auth in registry_auths.list_registry_auths(ctx, caller):
-        if registry in (auth.id, auth.name):
-            return request.model_copy(update={"registry_auth": auth.name})
-    raise InvalidInput("registry", f"registry credentials {registry!r} not found")
-
-
 def template_name(ctx: ServiceContext, caller: Principal, ref: str | None) -> str | None:
     """RunPod names a template by id; gpucloud's pod request by name."""
     if not ref or ref.startswith(mapping.RUNPOD_PUBLIC_TEMPLATE_PREFIX):
@@ -454,12 +440,6 @@ def template_name(ctx: ServiceContext, caller: Principal, ref: str | None) -> st
         return templates.get_template(ctx, caller, ref).name
     except NotFound:
         raise InvalidInput("templateId", f"no template {ref!r} in this project") from None
-
-
-def _wake(request: Request) -> None:
-    runner = getattr(request.app.state, "controllers", None)
-    if runner is not None:
-        runner.wake()
 
 
 @router.get("/pods", response_model=ListPodsOut)
@@ -509,9 +489,10 @@ def create_pod(body: CreatePodRequest, ctx: Ctx, caller: RunpodCaller,
                request: Request) -> Response:
     spec = pod_input(body)
     spec.template_id = template_name(ctx, caller, spec.template_id)
-    gpucloud_request = _with_registry(ctx, caller, mapping.create_request(spec), body.registry)
+    gpucloud_request = actions.with_registry(ctx, caller, mapping.create_request(spec),
+                                            body.registry, "registry")
     pod = pods.create_pod(ctx, caller, gpucloud_request)
-    _wake(request)
+    wake(request)
     return _json(pod_v2(pod, PodPricing.load(ctx), request), 201)
 
 
@@ -552,30 +533,11 @@ def delete_pod(id: Ref, ctx: Ctx, caller: RunpodCaller) -> Response:  # noqa: A0
     return Response(status_code=204)
 
 
-def run_action(ctx: ServiceContext, caller: Principal, ref: str, action: str,
-               request: Request) -> PodOut | None:
-    """``start``, ``stop``, ``restart`` (of an ended pod: a start; gpucloud has no
-    in-place restart of a running container), ``terminate`` (None: deleted)."""
-    if action == "stop":
-        return pods.stop_pod(ctx, caller, ref)
-    if action == "terminate":
-        pods.delete_pod(ctx, caller, ref)
-        return None
-    current = pods.get_pod(ctx, caller, ref)
-    if action in {"restart", "reset"} and current.phase not in {
-            PodPhase.SUCCEEDED, PodPhase.FAILED, PodPhase.STOPPED, PodPhase.LOST}:
-        raise Conflict(f"pod {current.name!r} is {current.phase}: gpucloud restarts an ended "
-                       "pod only; stop it, then start it")
-    pod = pods.start_pod(ctx, caller, ref)
-    _wake(request)
-    return pod
-
-
 @router.post("/pods/{id}/action", response_model=PodV2Out, responses={
     204: {"description": "terminated"}})
 def pod_action(id: Ref, body: PodActionRequest,  # noqa: A002
                ctx: Ctx, caller: RunpodCaller, request: Request) -> Response:
-    pod = run_action(ctx, caller, id, body.action, request)
+    pod = actions.run_action(ctx, caller, id, body.action, partial(wake, request))
     if pod is None:
         return Response(status_code=204)
     return _json(pod_v2(pod, PodPricing.load(ctx), request))
@@ -584,7 +546,7 @@ def pod_action(id: Ref, body: PodActionRequest,  # noqa: A002
 def _action_route(action: str) -> None:
     def act(id: Ref, ctx: Ctx, caller: RunpodCaller,  # noqa: A002
             request: Request) -> Response:
-        pod = run_action(ctx, caller, id, action, request)
+        pod = actions.run_action(ctx, caller, id, action, partial(wake, request))
         assert pod is not None
         return _json(pod_v2(pod, PodPricing.load(ctx), request))
 
@@ -634,7 +596,8 @@ def create_template(body: CreateTemplateRequest, ctx: Ctx, caller: RunpodCaller)
         volume_gb=mounts.persistent.size if mounts.persistent else None,
         volume_mount_path=mounts.persistent.path if mounts.persistent else None,
         ports=list(body.ports), env=dict(body.env), start_ssh=body.startSsh)
-    request = _with_registry(ctx, caller, mapping.template_request(spec), body.registry)
+    request = actions.with_registry(ctx, caller, mapping.template_request(spec),
+                                   body.registry, "registry")
     return _json(template_v2(templates.create_template(ctx, caller, request)), 201)
 
 
@@ -662,17 +625,13 @@ def list_registries(ctx: Ctx, caller: RunpodCaller) -> Response:
 @router.post("/registries", status_code=201, response_model=RegistryOut,
              )
 def create_registry(body: CreateRegistryRequest, ctx: Ctx, caller: RunpodCaller) -> Response:
-    request = mapping._validated(RegistryAuthAddRequest, {
-        "name": body.name, "username": body.username, "password": body.password})
-    auth = registry_auths.add_registry_auth(ctx, caller, request)
+    auth = actions.add_registry_auth(ctx, caller, body.name, body.username, body.password)
     return _json(RegistryOut(id=auth.id, name=auth.name), 201)
 
 
 def _registry(ctx: ServiceContext, caller: Principal, ref: str) -> RegistryOut:
-    for auth in registry_auths.list_registry_auths(ctx, caller):
-        if ref in (auth.id, auth.name):
-            return RegistryOut(id=auth.id, name=auth.name)
-    raise NotFound(f"registry credentials {ref!r} not found")
+    auth = actions.registry_auth(ctx, caller, ref)
+    return RegistryOut(id=auth.id, name=auth.name)
 
 
 @router.get("/registries/{id}", response_model=RegistryOut, )
@@ -689,35 +648,20 @@ def delete_registry(id: Ref, ctx: Ctx, caller: RunpodCaller) -> Response:  # noq
 # ---------------------------------------------------------------- GPU catalog
 
 
-def gpu_catalog(ctx: ServiceContext) -> list[GpuTypeOut]:
-    """One entry per GPU model of the registered fleet: memory, the largest count on one
-    node (``maxCount``), the on-demand price from the price catalog."""
-    largest: dict[str, tuple[int, int]] = {}
-    for node in nodes.list_nodes(ctx):
-        if node.status is NodeStatus.LOST:
-            continue
-        counts: dict[str, int] = {}
-        for gpu in node.gpus:
-            model = mapping.gpu_model(gpu.model)
-            counts[model] = counts.get(model, 0) + 1
-            memory = max(largest.get(model, (0, 0))[1], gpu.memory_mib)
-            largest[model] = (max(largest.get(model, (0, 0))[0], counts[model]), memory)
-    pricing = PodPricing.load(ctx)
-    out = []
-    for model, (count, memory_mib) in sorted(largest.items()):
-        price = float(mapping.hourly_price(pricing.book, model, 1, 0, False, pricing.now))
-        out.append(GpuTypeOut(
-            id=mapping.gpu_type_id(model), name=mapping.gpu_display_name(model), pool=None,
-            manufacturer="NVIDIA", memory=round(memory_mib / 1024), secure=True,
-            community=False, price=GpuPriceOut(secure=price, community=price),
-            maxCount=GpuMaxCountOut(secure=count, community=0)))
-    return out
+def gpu_type_v2(entry: catalog.GpuStock) -> GpuTypeOut:
+    """A model of the live fleet: ``maxCount`` is the most of it on one node, ``price`` the
+    on-demand price of one GPU-hour now."""
+    return GpuTypeOut(
+        id=entry.type_id, name=entry.display_name, pool=None, manufacturer="NVIDIA",
+        memory=entry.memory_gb, secure=True, community=False,
+        price=GpuPriceOut(secure=entry.on_demand, community=entry.on_demand),
+        maxCount=GpuMaxCountOut(secure=entry.most_on_a_node, community=0))
 
 
 @router.get("/catalog/gpus", response_model=ListGpuTypesOut)
 def list_gpu_types(ctx: Ctx, caller: RunpodCaller) -> Response:
     del caller  # any project may read the catalog
-    return _json(ListGpuTypesOut(gpuTypes=gpu_catalog(ctx)))
+    return _json(ListGpuTypesOut(gpuTypes=[gpu_type_v2(e) for e in catalog.gpu_catalog(ctx)]))
 
 
 @router.get("/catalog/gpus/{id}", response_model=GpuTypeOut, )
@@ -725,9 +669,8 @@ def get_gpu_type(id: Ref, ctx: Ctx, caller: RunpodCaller) -> Response:  # noqa: 
     """By RunPod's id (``NVIDIA H100 80GB HBM3``), display name or gpucloud model name."""
     del caller
     wanted = mapping.gpu_model(id, "id") if id.strip() else ""
-    for gpu in gpu_catalog(ctx):
-        if mapping.gpu_model(gpu.id) == wanted:
-            return _json(gpu)
+    for entry in catalog.gpu_catalog(ctx, {wanted}):
+        return _json(gpu_type_v2(entry))
     raise NotFound(f"GPU type {id!r} is not in this fleet")
 
 
@@ -743,20 +686,5 @@ def list_ssh_keys(ctx: Ctx, caller: RunpodCaller) -> Response:
 def replace_ssh_keys(body: UpdateSshKeysRequest, ctx: Ctx, caller: RunpodCaller) -> Response:
     """The full set, replacing the project's keys: every line is checked before any key
     is added or removed."""
-    wanted: dict[str, str] = {}
-    for index, line in enumerate(body.keys):
-        try:
-            wanted.setdefault(parse_public_key(line).fingerprint, line)
-        except InvalidInput as error:
-            raise InvalidInput(f"keys[{index}]", error.message) from None
-    existing = ssh_keys.list_keys(ctx, caller)
-    for key in existing:
-        if key.fingerprint not in wanted:
-            ssh_keys.remove_key(ctx, caller, key.id)
-    have = {key.fingerprint for key in existing}
-    for fingerprint, line in wanted.items():
-        if fingerprint not in have:
-            ssh_keys.add_key(ctx, caller, SshKeyAddRequest(public_key=line))
+    actions.replace_ssh_keys(ctx, caller, body.keys, "keys")
     return list_ssh_keys(ctx, caller)
-
-

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 OPEN_FILES = 256
 
 
-class _Fd:
+class CachedFd:
     """One open chunk file; closed when evicted from the pool and no reader uses it."""
 
     __slots__ = ("fd", "users", "retired")
@@ -57,15 +57,15 @@ class _FdPool:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._lock = threading.Lock()
-        self._open: OrderedDict[str, _Fd] = OrderedDict()
+        self._open: OrderedDict[str, CachedFd] = OrderedDict()
 
     def pread(self, digest: str, path: Path, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` of the chunk file (``FileNotFoundError`` if gone)."""
-        handle = self._acquire(digest, path)
+        handle = self.acquire(digest, path)
         try:
             return os.pread(handle.fd, size, offset)
         finally:
-            self._release(handle)
+            self.release(handle)
 
     def close(self) -> None:
         """Close every descriptor (once its readers are done)."""
@@ -82,7 +82,8 @@ class _FdPool:
             if handle is not None:
                 self._retire(handle)
 
-    def _acquire(self, digest: str, path: Path) -> _Fd:
+    def acquire(self, digest: str, path: Path) -> CachedFd:
+        """The chunk file's descriptor, its use counted (``release`` when done)."""
         with self._lock:
             handle = self._open.get(digest)
             if handle is not None:
@@ -95,19 +96,19 @@ class _FdPool:
             if handle is not None:  # another reader opened it meanwhile
                 os.close(fd)
             else:
-                handle = self._open[digest] = _Fd(fd)
+                handle = self._open[digest] = CachedFd(fd)
                 while len(self._open) > self._limit:
                     self._retire(self._open.popitem(last=False)[1])
             handle.users += 1
             return handle
 
-    def _release(self, handle: _Fd) -> None:
+    def release(self, handle: CachedFd) -> None:
         with self._lock:
             handle.users -= 1
             if handle.retired and handle.users == 0:
                 os.close(handle.fd)
 
-    def _retire(self, handle: _Fd) -> None:
+    def _retire(self, handle: CachedFd) -> None:
         handle.retired = True
         if handle.users == 0:
             os.close(handle.fd)
@@ -166,20 +167,42 @@ class ChunkCache:
             self._drop(digest)
             return None
 
+    def acquire(self, digest: str) -> CachedFd | None:
+        """An open descriptor of a cached chunk (it becomes most recently used), held until
+        ``release``: it is not closed meanwhile, even if the chunk is evicted. None when the
+        chunk is not cached. For zero-copy replies (``fs.LayerFs.read_buf``: libfuse reads
+        the file itself, after the callback returns)."""
+        with self._lock:
+            if digest not in self._lru:
+                return None
+            self._lru.move_to_end(digest)
+        try:
+            return self._fds.acquire(digest, self._chunks / digest_hex(digest))
+        except FileNotFoundError:
+            self._drop(digest)
+            return None
+
+    def release(self, handle: CachedFd) -> None:
+        """Give back a descriptor from ``acquire``."""
+        self._fds.release(handle)
+
     def _drop(self, digest: str) -> None:
         with self._lock:
             self._used -= self._lru.pop(digest, 0)
         self._fds.forget(digest)
 
-    def put(self, digest: str, data: bytes) -> bool:
+    def put(self, digest: str, data: bytes, *, verified: bool = False) -> bool:
         """Insert a chunk after checking its digest; True when it is now cached.
 
         ``ValueError`` when ``data`` does not hash to ``digest`` (nothing is written).
+        ``verified``: the caller has just hashed ``data`` against ``digest`` itself (the
+        layer's ``decode_chunk`` does, before serving a byte), so it is not hashed twice.
         A chunk larger than the whole cache is not cached.
         """
-        actual = "sha256:" + hashlib.sha256(data).hexdigest()
-        if actual != digest:
-            raise ValueError(f"chunk hashed to {actual}, not {digest}")
+        if not verified:
+            actual = "sha256:" + hashlib.sha256(data).hexdigest()
+            if actual != digest:
+                raise ValueError(f"chunk hashed to {actual}, not {digest}")
         if len(data) > self.limit:
             return False
         if self.has(digest):

@@ -10,6 +10,7 @@ which restores the mounts that still have holders (see ``daemon.py``).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -20,9 +21,18 @@ from typing import Any
 
 from gpucloud.images.auth import Credentials
 from gpucloud.images.errors import ImageError
-from gpucloud.images.lazy.daemon import lazyfs_root
 
 START_TIMEOUT = 15.0
+LIBFUSE = "libfuse3.so.3"
+"""Handed to the daemon as ``FUSE_LIBRARY_PATH``: mfusepy otherwise runs
+``ctypes.util.find_library`` twice at import (``ldconfig`` and compiler probes, ~0.3 s of
+the daemon's start)."""
+
+
+def lazyfs_root(state_dir: Path) -> Path:
+    """Where the daemon keeps its socket, mounts, cache and state. Defined here, not in
+    ``daemon``, so the agent's import of this client does not load the FUSE stack."""
+    return state_dir / "lazyfs"
 
 
 class LazyfsError(ImageError):
@@ -123,7 +133,8 @@ class LazyfsClient:
                 [sys.executable, "-m", "gpucloud.images.lazy.daemon",
                  "--state-dir", str(self.state_dir), *self._extra],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True)
+                start_new_session=True, close_fds=True,
+                env={"FUSE_LIBRARY_PATH": LIBFUSE, **os.environ})
             log.close()
             deadline = time.monotonic() + START_TIMEOUT
             while time.monotonic() < deadline:
@@ -132,7 +143,7 @@ class LazyfsClient:
                 if process.poll() is not None:
                     raise LazyfsError("LazyfsFailed", "the lazyfs daemon exited at start: "
                                       + _tail(self.root / "lazyfs.log"))
-                time.sleep(0.02)
+                time.sleep(0.01)
             raise LazyfsError("LazyfsFailed", "the lazyfs daemon did not start in time")
 
     def _send(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import socketserver
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -48,9 +49,11 @@ from gpucloud.images.auth import Credentials, RegistryAuth
 from gpucloud.images.client import is_loopback
 from gpucloud.images.errors import ImageError
 from gpucloud.images.lazy.cache import ChunkCache
+from gpucloud.images.lazy.client import lazyfs_root
 from gpucloud.images.lazy.fetch import RangeFetcher, RangeUnsupported
 from gpucloud.images.lazy.fs import raise_readahead, serve
 from gpucloud.images.lazy.layer import LazyLayer, check_toc_offsets, read_toc
+from gpucloud.images.lazy.scheduler import FetchScheduler
 from gpucloud.images.lazy.toc import Toc, parse_toc
 from gpucloud.images.rootfs import unmount
 from gpucloud.images.store import digest_hex
@@ -60,11 +63,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_LIMIT = 20 << 30
 MOUNT_TIMEOUT = 10.0
 _MAX_EVENTS = 200
-
-
-def lazyfs_root(state_dir: Path) -> Path:
-    """Where the daemon keeps its socket, mounts, cache and state."""
-    return state_dir / "lazyfs"
 
 
 @dataclass
@@ -98,6 +96,7 @@ class LazyfsDaemon:
         self.mnt = self.root / "mnt"
         self.mnt.mkdir(parents=True, exist_ok=True)
         self.cache = ChunkCache(self.root / "cache", cache_limit)
+        self.scheduler = FetchScheduler()  # one for the node: demand anywhere pauses prefetch
         self._read_deadline = read_deadline
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mounted] = {}
@@ -127,6 +126,7 @@ class LazyfsDaemon:
         with self._lock:
             for digest in list(self._mounts):
                 self._unmount(digest)
+        self.scheduler.close()
         self.cache.close()
 
     # -- requests ------------------------------------------------------------------------
@@ -173,7 +173,7 @@ class LazyfsDaemon:
         if kept is None:
             return None
         toc = parse_toc(kept[0], kept[1], kept[1])
-        layer = LazyLayer(digest, toc, None, self.cache, self.event)
+        layer = LazyLayer(digest, toc, None, self.cache, self.event, self.scheduler)
         return layer.local_bytes()
 
     def event(self, reason: str, message: str, digest: str = "") -> None:
@@ -197,15 +197,16 @@ class LazyfsDaemon:
         fetcher = self._fetcher(spec, credentials)
         toc = self._toc(spec, fetcher)
         layer = LazyLayer(spec.digest, toc, fetcher, self.cache,
-                          lambda reason, message: self.event(reason, message, spec.digest))
+                          lambda reason, message: self.event(reason, message, spec.digest),
+                          self.scheduler)
         path = self.mnt / digest_hex(spec.digest)
         path.mkdir(parents=True, exist_ok=True)
-        thread = threading.Thread(target=self._serve, args=(layer, path), daemon=True,
+        stop = threading.Event()
+        thread = threading.Thread(target=self._serve, args=(layer, path, stop), daemon=True,
                                   name=f"fuse-{digest_hex(spec.digest)[:12]}")
         thread.start()
         _wait_mounted(path, thread)
         raise_readahead(str(path))
-        stop = threading.Event()
         threading.Thread(target=layer.prefetch, args=(stop,), daemon=True,
                          name=f"prefetch-{digest_hex(spec.digest)[:12]}").start()
         mounted = _Mounted(LayerSpec(**{**asdict(spec), "holders": []}), layer, path, thread,
@@ -213,11 +214,16 @@ class LazyfsDaemon:
         self._mounts[spec.digest] = mounted
         return mounted
 
-    def _serve(self, layer: LazyLayer, path: Path) -> None:
+    def _serve(self, layer: LazyLayer, path: Path, stop: threading.Event) -> None:
+        """Serve the mount; when it ends (unmounted by us or from outside, e.g. a node
+        clean-up), its prefetch stops too: nothing fetches for a layer nobody can read."""
         try:
             serve(layer, str(path))
         except RuntimeError as exc:
             self.event("LazyMountFailed", f"layer {layer.digest}: FUSE ended: {exc}")
+        finally:
+            stop.set()
+            layer.close()
 
     def _toc(self, spec: LayerSpec, fetcher: RangeFetcher) -> Toc:
         """The verified TOC: from the cache (no registry needed), else from the blob."""
@@ -250,6 +256,7 @@ class LazyfsDaemon:
     def _unmount(self, digest: str) -> None:
         mounted = self._mounts.pop(digest)
         mounted.stop.set()
+        mounted.layer.close()
         try:
             unmount(mounted.path)
         except OSError:
@@ -379,6 +386,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--read-deadline", type=float, default=30.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lazyfs %(message)s")
+    # FUSE requests are short and handed between threads (readers, prefetch, libfuse's
+    # workers): a 1 ms GIL switch interval, not 5 ms, keeps a read from waiting behind a
+    # busy thread's time slice.
+    sys.setswitchinterval(0.001)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per chunk fetch
     _install_term_handler()
     run(args.state_dir, args.cache_limit, args.read_deadline)
 

@@ -14,17 +14,20 @@ and the landmarks and ``stargz.index.json`` at the layer root are hidden.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import errno
 import logging
 import os
 import stat
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import mfusepy
 
 from gpucloud.images.errors import ImageError
+from gpucloud.images.lazy.cache import CachedFd
 from gpucloud.images.lazy.layer import LazyLayer
 from gpucloud.images.lazy.toc import HIDDEN_ROOT_NAMES, Toc, TocEntry, clean_name
 
@@ -138,6 +141,8 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
         self.layer = layer
         self.nodes = build_tree(layer.toc)
         self._by_ino = {node.ino: node for node in self.nodes.values()}
+        self._held: dict[int, list[tuple[CachedFd, int, int]]] = {}
+        self._held_lock = threading.Lock()
 
     def _node(self, path: str) -> Node:
         node = self.nodes.get(path.strip("/"))
@@ -193,6 +198,36 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
             log.warning("read of %s in layer %s failed: %s", path, self.layer.digest, exc)
             raise mfusepy.FuseOSError(errno.EIO) from exc
 
+    def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fh: int) -> int:
+        """Zero-copy read (libfuse's ``read_buf``, used in place of ``read``): for cached
+        chunks the reply is a vector of (chunk file descriptor, position, length) that
+        libfuse reads itself, in C, without the GIL; no byte passes through Python. Chunks
+        not cached yet are fetched and handed over as one malloc'd buffer.
+
+        libfuse reads the descriptors after this returns, so each is held (not closed,
+        even if its chunk is evicted) until the same thread's next call: libfuse's worker
+        threads handle one request at a time, so by then that reply has been sent."""
+        node = self._by_ino.get(fh) or self._node(path)
+        if node.kind != "reg":
+            raise mfusepy.FuseOSError(errno.EISDIR)
+        self._release_held()
+        size = max(0, min(size, node.size - offset))
+        extents = self.layer.cached_extents(node.data_path, offset, size) if size else []
+        if extents is not None:
+            _set_pointer(bufpp, _fd_bufvec([(h.fd, pos, length) for h, pos, length in extents]))
+            if extents:
+                with self._held_lock:
+                    self._held[threading.get_native_id()] = extents
+            return 0
+        _set_pointer(bufpp, _mem_bufvec(self.read(path, size, offset, fh)))
+        return 0
+
+    def _release_held(self) -> None:
+        with self._held_lock:
+            held = self._held.pop(threading.get_native_id(), None)
+        if held:
+            self.layer.release_extents(held)
+
     def getxattr(self, path: str, name: str, position: int = 0) -> bytes:  # noqa: ARG002 - mfusepy's signature
         value = self._node(path).xattrs.get(name)
         if value is None:
@@ -207,6 +242,63 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
         return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": (total + 4095) // 4096,
                 "f_bfree": 0, "f_bavail": 0, "f_files": len(self.nodes), "f_ffree": 0,
                 "f_namemax": 255}
+
+
+FUSE_BUF_IS_FD = 1 << 1
+FUSE_BUF_FD_SEEK = 1 << 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.malloc.restype = ctypes.c_void_p
+_libc.malloc.argtypes = [ctypes.c_size_t]
+
+
+class _FuseBuf(ctypes.Structure):
+    """``struct fuse_buf`` (fuse_common.h, libfuse 3)."""
+
+    _fields_ = [("size", ctypes.c_size_t), ("flags", ctypes.c_int), ("mem", ctypes.c_void_p),
+                ("fd", ctypes.c_int), ("pos", ctypes.c_int64)]
+
+
+class _BufvecHead(ctypes.Structure):
+    """The head of ``struct fuse_bufvec``; ``count`` ``fuse_buf`` follow it inline."""
+
+    _fields_ = [("count", ctypes.c_size_t), ("idx", ctypes.c_size_t), ("off", ctypes.c_size_t)]
+
+
+def _bufvec(count: int) -> tuple[int, ctypes.Array[_FuseBuf]]:
+    """A malloc'd ``fuse_bufvec`` of ``count`` buffers (libfuse frees it, and the ``mem``
+    of buffers that are not descriptors, after sending the reply)."""
+    head = ctypes.sizeof(_BufvecHead)
+    size = head + max(1, count) * ctypes.sizeof(_FuseBuf)
+    address = _libc.malloc(size)
+    if not address:
+        raise mfusepy.FuseOSError(errno.ENOMEM)
+    ctypes.memset(address, 0, size)
+    vec = _BufvecHead.from_address(address)
+    vec.count = count
+    return address, (_FuseBuf * max(1, count)).from_address(address + head)
+
+
+def _set_pointer(bufpp: Any, address: int) -> None:
+    """``*bufpp = address`` (``bufpp`` is a ``struct fuse_bufvec **``)."""
+    ctypes.cast(bufpp, ctypes.POINTER(ctypes.c_void_p))[0] = address
+
+
+def _fd_bufvec(extents: list[tuple[int, int, int]]) -> int:
+    address, bufs = _bufvec(len(extents))
+    for buf, (fd, pos, length) in zip(bufs, extents, strict=False):
+        buf.size, buf.flags, buf.fd, buf.pos = length, FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK, fd, pos
+    return address
+
+
+def _mem_bufvec(data: bytes) -> int:
+    address, bufs = _bufvec(1)
+    mem = _libc.malloc(max(1, len(data)))
+    if not mem:
+        _libc.free(ctypes.c_void_p(address))
+        raise mfusepy.FuseOSError(errno.ENOMEM)
+    ctypes.memmove(mem, data, len(data))
+    bufs[0].size, bufs[0].mem = len(data), mem
+    return address
 
 
 MOUNT_OPTIONS: dict[str, object] = {

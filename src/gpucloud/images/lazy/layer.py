@@ -7,10 +7,13 @@ its start (skipping ``innerOffset``, bounded to the chunk's size), hashed and co
 its ``chunkDigest`` before a byte of it is served or cached. A chunk is fetched by one
 thread at a time: others wanting it wait for that fetch (single flight).
 
-Prefetch runs on its own thread: first the prioritized files (the ones before
-``.prefetch.landmark``), then everything else, in TOC order; it steps aside while
-on-demand reads are in progress, so a page fault never queues behind background bytes.
-The container does not wait for it.
+Every fetch goes through the node's ``FetchScheduler`` (``scheduler.py``): reads at
+``DEMAND`` priority, the prefetch (its own thread, right after the mount) first the
+prioritized files (the ones before ``.prefetch.landmark``) at ``PRIORITY``, then the rest
+at ``BULK``. Prefetch is dispatched only while no demand fetch is queued or on the wire
+(the bulk only after demand has been quiet a while), and a read of a chunk queued for
+prefetch promotes it, so a page fault never queues behind background bytes. The container
+does not wait for the prefetch.
 """
 
 from __future__ import annotations
@@ -21,17 +24,16 @@ import io
 import logging
 import tarfile
 import threading
-import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from gpucloud.images.errors import DigestMismatch, ImageError, InvalidImage
-from gpucloud.images.lazy.cache import ChunkCache
+from gpucloud.images.lazy.cache import CachedFd, ChunkCache
 from gpucloud.images.lazy.estargz import decompress_chunk
-from gpucloud.images.lazy.fetch import RangeFetcher, Span, merge_spans
+from gpucloud.images.lazy.fetch import RangeFetcher
 from gpucloud.images.lazy.footer import FOOTER_SIZE, parse_footer
+from gpucloud.images.lazy.scheduler import FetchScheduler, Item, Priority, wait_all
 from gpucloud.images.lazy.toc import (
     HIDDEN_ROOT_NAMES,
     TOC_NAME,
@@ -44,16 +46,9 @@ from gpucloud.images.lazy.toc import (
 log = logging.getLogger(__name__)
 
 TAIL_READ = 256 << 10
-MERGE_GAP = 256 << 10
-MAX_REQUEST = 16 << 20
-PREFETCH_BATCH = 1 << 20
-"""Background fetches go out in ~1 MiB requests: a demand read that arrives meanwhile
-waits at most one of them (8 ms at 1 Gbit/s) for the link."""
-PREFETCH_DELAY = 1.0
-"""Prefetch starts at the first demand read or this many seconds after the mount."""
-DEMAND_QUIET = 0.05
-"""Prefetch resumes only after demand reads have been idle this long (a starting program
-reads in bursts; the gaps between its reads are far shorter)."""
+PREFETCH_WINDOW = 8 << 20
+"""The prefetch submits this many compressed bytes at a time and waits for them (the
+scheduler's queue stays short; unmounting cancels at most one window)."""
 
 EventSink = Callable[[str, str], None]
 """Called with (reason, message) for what the agent should report as an event."""
@@ -71,6 +66,8 @@ class LayerStats:
 
     demand_fetched: int = 0
     prefetched: int = 0
+    #: Of ``prefetched``: the prioritized files (the landmark prefix).
+    prefetched_priority: int = 0
     corrupt_chunks: int = 0
     errors: int = 0
     prefetch_done: bool = False
@@ -124,7 +121,10 @@ def decode_chunk(compressed: bytes, ref: ChunkRef) -> bytes:
 
 
 class LazyLayer:
-    """Serves file bytes of one layer from the chunk cache and the registry."""
+    """Serves file bytes of one layer from the chunk cache and the registry.
+
+    Fetches go through the node's ``FetchScheduler`` (this layer is its ``Source``):
+    reads as ``DEMAND``, the prefetch as ``PRIORITY`` (landmark prefix) then ``BULK``."""
 
     def __init__(
         self,
@@ -133,23 +133,24 @@ class LazyLayer:
         fetcher: RangeFetcher | None,
         cache: ChunkCache,
         on_event: EventSink,
-        clock: Callable[[], float] = time.monotonic,
+        scheduler: FetchScheduler | None = None,
     ) -> None:
         self.digest = digest
         self.toc = toc
         self.fetcher = fetcher
         self._cache = cache
         self._on_event = on_event
-        self._lock = threading.Lock()
-        self._inflight: dict[str, Future[bytes]] = {}
-        self._demand = 0
-        self._last_demand = 0.0
-        self._first_demand = threading.Event()
-        self._idle = threading.Condition(self._lock)
+        self._own_scheduler = scheduler is None
+        self.scheduler = scheduler if scheduler is not None else FetchScheduler()
         self._refs: dict[str, list[ChunkRef]] = {}
-        self._clock = clock
-        self.prefetch_delay = PREFETCH_DELAY
+        self._by_digest: dict[str, ChunkRef] = {}
         self.stats = LayerStats()
+
+    def close(self) -> None:
+        """Drop this layer's queued prefetch (unmount); stop a scheduler of its own."""
+        self.scheduler.cancel(self)
+        if self._own_scheduler:
+            self.scheduler.close()
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -157,18 +158,23 @@ class LazyLayer:
         """Bytes ``[offset, offset+size)`` of regular file ``path`` (short at its end).
 
         Fast path: every chunk cached, the slices are ``pread`` from the cache files (no
-        whole-chunk copies, no re-hashing: the cache verified them on insert)."""
+        whole-chunk copies, no re-hashing: the cache verified them on insert). Otherwise
+        the missing chunks are fetched at ``DEMAND`` priority (ahead of any prefetch)."""
         refs = self._covering(path, offset, size)
         if not refs:
             return b""
-        parts = self._cached_slices(refs, offset, size)
-        if parts is not None:
-            return b"".join(parts)
-        self._demand_begins()
-        try:
-            chunks = self._chunks(refs, background=False)
-        finally:
-            self._demand_ends()
+        if len(refs) == 1:
+            ref = refs[0]
+            lo = offset - ref.chunk_offset
+            hi = min(offset + size, ref.chunk_offset + ref.chunk_size) - ref.chunk_offset
+            part = self._cache.read(ref.digest, lo, hi - lo)
+            if part is not None and len(part) == hi - lo:
+                return part
+        else:
+            parts = self._cached_slices(refs, offset, size)
+            if parts is not None:
+                return b"".join(parts)
+        chunks = self._chunks(refs, Priority.DEMAND)
         data = b"".join(chunks[r.digest] for r in refs)
         start = offset - refs[0].chunk_offset
         return data[start : start + size]
@@ -189,6 +195,28 @@ class LazyLayer:
                 out.append(ref)
         return out
 
+    def cached_extents(self, path: str, offset: int, size: int
+                       ) -> list[tuple[CachedFd, int, int]] | None:
+        """Where bytes ``[offset, offset+size)`` of ``path`` lie in the chunk cache: (open
+        chunk file, position, length) per chunk, each descriptor held (give every one back
+        with ``release_extents``); [] past the end; None when a chunk is not cached."""
+        refs = self._covering(path, offset, size)
+        out: list[tuple[CachedFd, int, int]] = []
+        end = offset + size
+        for ref in refs:
+            handle = self._cache.acquire(ref.digest)
+            if handle is None:
+                self.release_extents(out)
+                return None
+            lo = max(offset, ref.chunk_offset) - ref.chunk_offset
+            hi = min(end, ref.chunk_offset + ref.chunk_size) - ref.chunk_offset
+            out.append((handle, lo, hi - lo))
+        return out
+
+    def release_extents(self, extents: list[tuple[CachedFd, int, int]]) -> None:
+        for handle, _, _ in extents:
+            self._cache.release(handle)
+
     def _cached_slices(self, refs: list[ChunkRef], offset: int, size: int) -> list[bytes] | None:
         """The wanted bytes as slices of cached chunks, or None when one is not cached."""
         parts = []
@@ -202,139 +230,80 @@ class LazyLayer:
             parts.append(part)
         return parts
 
-    def _demand_begins(self) -> None:
-        with self._lock:
-            self._demand += 1
-            self._last_demand = self._clock()
-        self._first_demand.set()
-
-    def _demand_ends(self) -> None:
-        with self._lock:
-            self._demand -= 1
-            self._last_demand = self._clock()
-            self._idle.notify_all()
-
-    def _chunks(self, refs: list[ChunkRef], background: bool) -> dict[str, bytes]:
-        """The verified bytes of ``refs``, from the cache or fetched (single flight)."""
+    def _chunks(self, refs: list[ChunkRef], priority: Priority) -> dict[str, bytes]:
+        """The verified bytes of ``refs``: cached ones from the cache, the others fetched
+        through the scheduler (which shares a fetch already queued or on the wire)."""
         out: dict[str, bytes] = {}
-        mine: list[ChunkRef] = []
-        waits: dict[str, Future[bytes]] = {}
+        missing: list[Item] = []
         for ref in refs:
-            if ref.digest in out or ref.digest in waits:
+            if ref.digest in out:
                 continue
             cached = self._cache.get(ref.digest)
             if cached is not None:
                 out[ref.digest] = cached
                 continue
-            with self._lock:
-                future = self._inflight.get(ref.digest)
-                if future is None:
-                    self._inflight[ref.digest] = Future()
-                    mine.append(ref)
-                else:
-                    waits[ref.digest] = future
-        if mine:
-            out.update(self._fetch(mine, background))
-        for digest, future in waits.items():
-            out[digest] = future.result()
+            self._by_digest.setdefault(ref.digest, ref)
+            missing.append(Item(ref.digest, ref.offset, ref.end))
+        if missing:
+            out.update(self.scheduler.fetch(self, _unique(missing), priority))
         return out
 
-    def _fetch(self, refs: list[ChunkRef], background: bool) -> dict[str, bytes]:
-        """Fetch ``refs`` (claimed by this thread) in merged spans; resolve their futures."""
-        got: dict[str, bytes] = {}
-        try:
-            for span in merge_spans([Span(r.offset, r.end) for r in refs], MERGE_GAP, MAX_REQUEST):
-                got.update(self._fetch_span(span, [r for r in refs
-                                                    if span.start <= r.offset < span.end],
-                                             background))
-        except BaseException as exc:
-            self._fail(refs, got, exc)
-            raise
-        self._resolve(refs, got)
-        return got
-
-    def _fetch_span(self, span: Span, refs: list[ChunkRef], background: bool) -> dict[str, bytes]:
+    def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
+        """``Source`` of the scheduler: fetch ``items`` (adjacent, merged by the scheduler)
+        in one Range request, verify each chunk and insert it into the cache."""
         if self.fetcher is None:
             raise ImageError(f"layer {self.digest}: chunk not cached and no registry to fetch it")
-        blob = self.fetcher.fetch(span.start, span.end)
-        if background:
-            self.stats.prefetched += len(blob)
-        else:
+        start, end = items[0].start, max(i.end for i in items)
+        blob = self.fetcher.fetch(start, end)
+        if priority is Priority.DEMAND:
             self.stats.demand_fetched += len(blob)
+        else:
+            self.stats.prefetched += len(blob)
+            if priority is Priority.PRIORITY:
+                self.stats.prefetched_priority += len(blob)
         got: dict[str, bytes] = {}
-        for ref in refs:
+        corrupt: ChunkCorrupt | None = None
+        for item in items:
+            ref = self._by_digest[item.key]
             try:
-                data = decode_chunk(blob[ref.offset - span.start : ref.end - span.start], ref)
+                data = decode_chunk(blob[item.start - start : item.end - start], ref)
             except ChunkCorrupt as exc:
                 self.stats.corrupt_chunks += 1
                 self._on_event("ChunkDigestMismatch", f"layer {self.digest}: {exc}")
-                raise
-            self._cache.put(ref.digest, data)
+                corrupt = exc
+                continue
+            self._cache.put(ref.digest, data, verified=True)
             got[ref.digest] = data
+        if corrupt is not None:
+            raise corrupt
         return got
-
-    def _resolve(self, refs: list[ChunkRef], got: dict[str, bytes]) -> None:
-        with self._lock:
-            for ref in refs:
-                future = self._inflight.pop(ref.digest, None)
-                if future is not None:
-                    future.set_result(got[ref.digest])
-
-    def _fail(self, refs: list[ChunkRef], got: dict[str, bytes], exc: BaseException) -> None:
-        with self._lock:
-            for ref in refs:
-                future = self._inflight.pop(ref.digest, None)
-                if future is None:
-                    continue
-                if ref.digest in got:
-                    future.set_result(got[ref.digest])
-                else:
-                    future.set_exception(exc)
 
     # -- prefetch ------------------------------------------------------------------------
 
     def prefetch(self, stop: threading.Event) -> None:
-        """Fetch prioritized files, then the rest, into the cache; stop early on ``stop``.
-
-        It waits for the first demand read (or ``prefetch_delay``), and before each batch
-        for demand reads to be idle for ``DEMAND_QUIET``, so the start's own reads never
-        queue behind background bytes on the link."""
-        self._first_demand.wait(self.prefetch_delay)
+        """Fetch prioritized files (``PRIORITY``), then the rest (``BULK``) into the cache;
+        stop early on ``stop``. The scheduler runs it only while no demand read waits (and
+        the bulk only after demand has been quiet), so it never delays the start's reads.
+        Work is submitted a window at a time, so the queue (and memory) stays small."""
+        end = self.toc.prefetch_end()
+        refs = self.all_chunks()
         try:
-            for batch in self._prefetch_batches():
-                if stop.is_set():
-                    return
-                self._wait_for_idle(stop)
-                missing = [r for r in batch if not self._cache.has(r.digest)]
-                if missing:
-                    self._chunks(missing, background=True)
-            self.stats.prefetch_done = True
+            for priority, part in ((Priority.PRIORITY, [r for r in refs if r.offset < end]),
+                                   (Priority.BULK, [r for r in refs if r.offset >= end])):
+                for window in _windows(part, PREFETCH_WINDOW):
+                    if stop.is_set():
+                        return
+                    missing = [r for r in window if not self._cache.has(r.digest)]
+                    for ref in missing:
+                        self._by_digest.setdefault(ref.digest, ref)
+                    items = _unique([Item(r.digest, r.offset, r.end) for r in missing])
+                    wait_all(self.scheduler.submit(self, items, priority))
+            self.stats.prefetch_done = not stop.is_set()
         except (ImageError, OSError) as exc:
             self.stats.errors += 1
             self._on_event("PrefetchFailed", f"layer {self.digest}: prefetch stopped: {exc}")
-
-    def _wait_for_idle(self, stop: threading.Event) -> None:
-        with self._idle:
-            while not stop.is_set():
-                quiet = self._clock() - self._last_demand
-                if not self._demand and quiet >= DEMAND_QUIET:
-                    return
-                self._idle.wait(0.5 if self._demand else DEMAND_QUIET - quiet)
-
-    def _prefetch_batches(self) -> list[list[ChunkRef]]:
-        """All chunks in prefetch order (landmark prefix first), in batches of ~8 MiB."""
-        end = self.toc.prefetch_end()
-        refs = self.all_chunks()
-        ordered = [r for r in refs if r.offset < end] + [r for r in refs if r.offset >= end]
-        batches: list[list[ChunkRef]] = [[]]
-        size = 0
-        for ref in ordered:
-            if size >= PREFETCH_BATCH:
-                batches.append([])
-                size = 0
-            batches[-1].append(ref)
-            size += ref.end - ref.offset
-        return batches
+        except RuntimeError:  # the scheduler closed under us (daemon shutdown)
+            return
 
     def all_chunks(self) -> list[ChunkRef]:
         """Every chunk of every visible regular file (no landmarks), in blob order."""
@@ -353,6 +322,27 @@ class LazyLayer:
 
 def _chunk_start(ref: ChunkRef) -> int:
     return ref.chunk_offset
+
+
+def _unique(items: list[Item]) -> list[Item]:
+    """One item per key (a file stored twice has one digest: one fetch)."""
+    seen: dict[str, Item] = {}
+    for item in items:
+        seen.setdefault(item.key, item)
+    return list(seen.values())
+
+
+def _windows(refs: list[ChunkRef], size: int) -> list[list[ChunkRef]]:
+    """``refs`` cut into runs of about ``size`` compressed bytes."""
+    out: list[list[ChunkRef]] = [[]]
+    have = 0
+    for ref in refs:
+        if have >= size:
+            out.append([])
+            have = 0
+        out[-1].append(ref)
+        have += ref.end - ref.offset
+    return out if out[0] else []
 
 
 def check_toc_offsets(toc: Toc, blob_size: int) -> None:

@@ -33,6 +33,8 @@ class Allocation:
     cpu_milli: int
     memory_bytes: int
     mig_slices: dict[int, int] | None = None  # GPU column -> bitmask of MIG memory slices
+    #: A share's device memory limit, taken on each GPU of ``gpu_milli``.
+    gpu_memory_mib: int = 0
 
 
 def _nvlink_domains(gpus: Sequence[GpuState]) -> list[int]:
@@ -86,6 +88,13 @@ class ClusterState:
         self.pcie = np.zeros((n, g), np.int64)
         self.mig_capable = np.zeros((n, g), np.bool_)
         self.mig_used = np.zeros((n, g), np.int64)
+        self.mig_mode = np.zeros((n, g), np.bool_)  # MIG pods may go here (not off)
+        self.mig_on = np.zeros((n, g), np.bool_)  # reported on: MIG pods only
+        # 0: instances are made as pods come (dynamic); k: fixed layout ``mig_layouts[k-1]``
+        self.mig_layout_id = np.zeros((n, g), np.int64)
+        self.mig_layouts: list[tuple[tuple[str, int], ...]] = []
+        # Device memory not yet promised to shares' limits (MiB).
+        self.gpu_mem_free = np.zeros((n, g), np.int64)
         self.gpu_count = np.zeros(n, np.int64)
         self.node_model = np.full(n, -1, np.int64)
         self.full_free = np.zeros(n, np.int64)
@@ -139,6 +148,8 @@ class ClusterState:
         if not self.num_nodes:
             return
         signature = np.column_stack((self.gpu_free, self.mig_used, self.gpu_model,
+                                     self.mig_mode, self.mig_on, self.mig_layout_id,
+                                     self.gpu_mem_free,
                                      self.cpu_free, self.mem_free, self.gpu_count))
         unique, inverse = np.unique(signature, axis=0, return_inverse=True)
         self.node_class = np.asarray(inverse, np.int64).reshape(-1)
@@ -176,8 +187,23 @@ class ClusterState:
             if 0 <= slot < MIG_SLOTS:
                 mask |= 1 << slot
         self.mig_used[i, col] = mask
-        used = FULL_GPU_MILLI if mask else min(max(gpu.used_milli, 0), FULL_GPU_MILLI)
+        self.mig_mode[i, col] = gpu.mig_mode is not False
+        self.mig_on[i, col] = gpu.mig_mode is True
+        self.gpu_mem_free[i, col] = max(0, int(self.gpu_mem_mib[i, col]) - gpu.memory_used_mib)
+        # A GPU in MIG mode (or with a fixed layout) has nothing for whole or shared pods.
+        partitioned = gpu.mig_mode is True or (
+            bool(gpu.mig_layout) and gpu.mig_mode is not False)
+        if gpu.mig_layout is not None:
+            self.mig_layout_id[i, col] = self._layout_id(gpu.mig_layout)
+        used = FULL_GPU_MILLI if mask or partitioned else min(max(gpu.used_milli, 0),
+                                                              FULL_GPU_MILLI)
         self.gpu_free[i, col] = FULL_GPU_MILLI - used
+
+    def _layout_id(self, layout: tuple[tuple[str, int], ...]) -> int:
+        key = tuple(sorted((name.strip().lower(), start) for name, start in layout))
+        if key not in self.mig_layouts:
+            self.mig_layouts.append(key)
+        return self.mig_layouts.index(key) + 1
 
     def refresh_summaries(self, rows: int | None = None) -> None:
         """Recompute per-node summaries, for one row or for all."""
@@ -194,6 +220,7 @@ class ClusterState:
         self.mem_free[i] -= alloc.memory_bytes
         for col, milli in alloc.gpu_milli.items():
             self.gpu_free[i, col] -= milli
+            self.gpu_mem_free[i, col] -= alloc.gpu_memory_mib
         for col, mask in (alloc.mig_slices or {}).items():
             self.mig_used[i, col] |= mask
             self.gpu_free[i, col] = 0

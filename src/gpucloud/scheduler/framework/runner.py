@@ -74,7 +74,7 @@ class EligibilityCache:
         if pod.mig_profile:
             mig_models = set(models_with_profile(pod.mig_profile))
             models = models & mig_models if models else mig_models
-            mask &= state.mig_capable
+            mask &= state.mig_capable & state.mig_mode  # never a GPU whose MIG mode is off
         if models or pod.mig_profile:
             ids = [i for i, name in enumerate(state.model_names) if name in models]
             mask &= np.isin(state.gpu_model, ids)

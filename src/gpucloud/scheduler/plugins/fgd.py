@@ -356,7 +356,8 @@ class FgdReserve:
         self.whole = str(args.get("whole", "lowest"))
 
     def reserve(self, cycle: Cycle, state: ClusterState, node: int) -> Allocation | None:
-        if cycle.mig is not None or not cycle.milli:
+        if cycle.mig is not None or not cycle.milli or cycle.pod.gpu_memory_mib:
+            # A share with a memory limit: best fit among the GPUs with that memory left.
             return build_allocation(cycle, state, node, share_best_fit,
                                     lowest_whole=self.whole == "lowest")
         evaluator = fgd_evaluator(state, self.typical, self.refined, self.cpu_per_gpu)

@@ -8,7 +8,7 @@ from gpucloud.scheduler.framework.cluster import BoolArray, ClusterState, IntArr
 from gpucloud.scheduler.framework.plugin import Cycle, Rejections
 from gpucloud.scheduler.framework.registry import PluginArgs
 from gpucloud.scheduler.framework.status import Code, Status
-from gpucloud.scheduler.mig import known_profile
+from gpucloud.scheduler.mig import best_start, free_layout_start, known_profile, layout_starts
 from gpucloud.scheduler.types import FULL_GPU_MILLI
 
 NOT_READY = "node not ready"
@@ -23,6 +23,7 @@ LABELS_MISMATCH = "node labels do not match"
 #: pods; the server sets this label from the policy (``services.mig``).
 MIG_POLICY_LABEL = "gpucloud.io/mig-policy"
 MIG_OFF = "MIG policy off on node"
+MIG_MODE_OFF = "MIG mode off on its GPUs"
 
 
 class RequestCheck:
@@ -169,7 +170,11 @@ class GpuModel:
         if pod.mig_profile:
             labels = state.labels
             off = np.array([labels[i].get(MIG_POLICY_LABEL) == "off" for i in nodes], np.bool_)
-            return [(MIG_OFF, off), (_model_reason(cycle), none)]
+            offered = state.mig_capable[nodes] & np.isin(state.gpu_model[nodes],
+                                                         list(cycle.mig_by_model))
+            no_model = np.asarray(~offered.any(axis=1), np.bool_)
+            return [(MIG_OFF, off), (_model_reason(cycle), no_model),
+                    (MIG_MODE_OFF, none & ~no_model)]
         return [(_model_reason(cycle), none)]
 
 
@@ -206,16 +211,21 @@ class GpuFit:
 
 def constrained(cycle: Cycle) -> bool:
     pod = cycle.pod
-    return bool(pod.gpu_model or pod.min_gpu_memory_mib or pod.mig_profile)
+    return bool(pod.gpu_model or pod.min_gpu_memory_mib or pod.mig_profile
+                or (cycle.milli and pod.gpu_memory_mib))
 
 
 def usable_free(cycle: Cycle, state: ClusterState, nodes: IntArray | None = None) -> IntArray:
-    """Free milli per GPU that this pod may use (0 on GPUs it may not use)."""
-    if nodes is None:
-        free = state.gpu_free
-        return np.where(cycle.eligible, free, 0) if constrained(cycle) else free
-    free = state.gpu_free[nodes]
-    return np.where(cycle.eligible[nodes], free, 0) if constrained(cycle) else free
+    """Free milli per GPU that this pod may use (0 on GPUs it may not use, and for a share
+    with a memory limit on GPUs with less memory left than it asks)."""
+    sel: IntArray | slice = slice(None) if nodes is None else nodes
+    free = state.gpu_free[sel]
+    if not constrained(cycle):
+        return free
+    ok = cycle.eligible[sel]
+    if cycle.milli and cycle.pod.gpu_memory_mib:
+        ok = ok & (state.gpu_mem_free[sel] >= cycle.pod.gpu_memory_mib)
+    return np.where(ok, free, 0)
 
 
 def free_whole(cycle: Cycle, state: ClusterState, nodes: IntArray) -> IntArray:
@@ -241,11 +251,30 @@ def mig_fit(cycle: Cycle, state: ClusterState, nodes: IntArray) -> BoolArray:
     """
     assert cycle.mig is not None
     used = state.mig_used[nodes]
-    mode_ok = cycle.eligible[nodes] & ((used != 0) | (state.gpu_free[nodes] == FULL_GPU_MILLI))
+    layout = state.mig_layout_id[nodes]
+    mode_ok = cycle.eligible[nodes] & ((used != 0) | (state.gpu_free[nodes] == FULL_GPU_MILLI)
+                                       | (layout != 0) | state.mig_on[nodes])
     slot_ok = np.zeros(used.shape, np.bool_)
     gpu_model = state.gpu_model[nodes]
     for model_id, geom in cycle.mig_by_model.items():
         on_model = gpu_model == model_id
         for mask in geom.masks:
             slot_ok |= on_model & ((used & mask) == 0)
+    slot_ok &= layout == 0
+    for row, col in zip(*np.nonzero((layout != 0) & cycle.eligible[nodes]), strict=True):
+        slot_ok[row, col] = mig_start(cycle, state, int(nodes[row]), int(col)) is not None
     return np.asarray((mode_ok & slot_ok).any(axis=1), np.bool_)
+
+
+def mig_start(cycle: Cycle, state: ClusterState, node: int, col: int) -> int | None:
+    """Where an instance of the pod's profile would start on one GPU: on a fixed layout a
+    free existing instance of that profile, else the start that keeps the most room."""
+    geom = cycle.mig_by_model.get(int(state.gpu_model[node, col]))
+    if geom is None or cycle.pod.mig_profile is None:
+        return None
+    used = int(state.mig_used[node, col])
+    layout = int(state.mig_layout_id[node, col])
+    if layout:
+        starts = layout_starts(state.mig_layouts[layout - 1], cycle.pod.mig_profile)
+        return free_layout_start(geom, starts, used)
+    return best_start(geom, used)

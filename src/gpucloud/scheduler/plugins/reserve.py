@@ -14,8 +14,8 @@ import numpy as np
 from gpucloud.scheduler.framework.cluster import Allocation, ClusterState, IntArray
 from gpucloud.scheduler.framework.plugin import Cycle
 from gpucloud.scheduler.framework.registry import PluginArgs
-from gpucloud.scheduler.mig import best_start, remaining_room
-from gpucloud.scheduler.plugins.filters import usable_free
+from gpucloud.scheduler.mig import remaining_room
+from gpucloud.scheduler.plugins.filters import mig_start, usable_free
 from gpucloud.scheduler.types import FULL_GPU_MILLI
 
 ShareChooser = Callable[[Cycle, ClusterState, int, IntArray], int]
@@ -78,9 +78,10 @@ def pick_mig(cycle: Cycle, state: ClusterState, node: int) -> tuple[int, int] | 
         if geom is None:
             continue
         used = int(state.mig_used[node, col])
-        if used == 0 and state.gpu_free[node, col] != FULL_GPU_MILLI:
+        in_mig = bool(state.mig_layout_id[node, col]) or bool(state.mig_on[node, col])
+        if used == 0 and not in_mig and state.gpu_free[node, col] != FULL_GPU_MILLI:
             continue
-        start = best_start(geom, used)
+        start = mig_start(cycle, state, node, int(col))
         if start is None:
             continue
         rank = (0 if used else 1, remaining_room(used | geom.mask(start)), int(col))
@@ -117,7 +118,8 @@ def build_allocation(cycle: Cycle, state: ClusterState, node: int,
         if free.max() < cycle.milli:
             return None
         gpus = {choose_share(cycle, state, node, free): cycle.milli}
-    return Allocation(node, gpus, cycle.cpu_milli, cycle.memory_bytes, mig)
+    memory = cycle.pod.gpu_memory_mib if cycle.milli else 0
+    return Allocation(node, gpus, cycle.cpu_milli, cycle.memory_bytes, mig, memory)
 
 
 class GpuReserve:

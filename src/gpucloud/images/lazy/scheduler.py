@@ -1,0 +1,351 @@
+"""The node's fetch scheduler: on-demand reads first, background prefetch behind them.
+
+Every chunk the lazyfs daemon fetches goes through one ``FetchScheduler`` (shared by all
+layers of the node, so a pod's page faults in one layer pause the prefetch of every other
+layer). A request is a set of chunks (``Item``: a key, a compressed extent of a blob) of one
+``Source`` (a layer) at a ``Priority``:
+
+* ``DEMAND``: a FUSE read is waiting for it. Up to ``workers`` demand fetches run at once.
+* ``PRIORITY``: the layer's prioritized files (before ``.prefetch.landmark``): what the
+  start is about to read (a recording of it). Fetched right after the mount, one request
+  of at most ``prefetch_request`` bytes at a time, never while a demand request is queued:
+  a demand read always goes out next. It may be on the wire beside demand fetches (it is
+  the start's own predicted reads: pausing it whenever a read is outstanding would turn a
+  start that reads 900 small files into 900 sequential round trips).
+* ``BULK``: the rest of the layer. Only while no demand is outstanding *and* demand reads
+  have been quiet for ``bulk_quiet`` seconds (a starting program reads in bursts; the rest
+  of the layer must not share the link or the CPU with them).
+
+At most ``prefetch_workers`` prefetch fetches run at once, each at most
+``prefetch_request`` bytes, so a demand read that arrives while one is on the wire shares
+the link with little. Queued prefetch is preempted outright: a demand read of a chunk
+queued for prefetch promotes it to ``DEMAND``, and nothing of lower priority is dispatched
+while demand work exists. A chunk is fetched once however many readers want it (single
+flight). Queued items of one source and priority that are adjacent or nearby in the blob
+(``gap``) are merged into one Range request of at most ``max_request`` bytes.
+
+The scheduling is a pure state machine (``take`` / ``finish``) driven by worker threads;
+tests drive it by hand (``threads=False`` and ``run_one``) with an injectable clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Protocol
+
+
+class Priority(IntEnum):
+    """Lower runs first."""
+
+    DEMAND = 0
+    PRIORITY = 1
+    BULK = 2
+
+
+@dataclass(frozen=True)
+class Item:
+    """One chunk to fetch: ``key`` (its digest) and its compressed extent ``[start, end)``."""
+
+    key: str
+    start: int
+    end: int
+
+
+class Source(Protocol):
+    """Where items come from (a layer): fetches merged items in one request."""
+
+    def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
+        """The verified bytes of every item, by key (raises when the fetch fails)."""
+        ...
+
+
+@dataclass
+class _Entry:
+    item: Item
+    source: Source
+    priority: Priority
+    future: Future[bytes] = field(default_factory=Future)
+    running: bool = False
+
+
+@dataclass
+class Batch:
+    """Items of one source fetched together (one Range request)."""
+
+    source: Source
+    priority: Priority
+    entries: list[_Entry]
+
+    @property
+    def items(self) -> list[Item]:
+        return [e.item for e in self.entries]
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.entries[0].item.start, max(e.item.end for e in self.entries)
+
+
+MERGE_GAP = 128 << 10
+MAX_REQUEST = 8 << 20
+PREFETCH_REQUEST = 2 << 20
+BULK_QUIET = 1.0
+
+
+@dataclass
+class SchedulerStats:
+    batches: dict[str, int] = field(default_factory=lambda: {p.name: 0 for p in Priority})
+    promoted: int = 0
+    cancelled: int = 0
+
+
+class FetchScheduler:
+    """Priority queue of chunk fetches with bounded concurrency (see the module doc)."""
+
+    def __init__(
+        self,
+        workers: int = 6,
+        prefetch_workers: int = 1,
+        *,
+        gap: int = MERGE_GAP,
+        max_request: int = MAX_REQUEST,
+        prefetch_request: int = PREFETCH_REQUEST,
+        bulk_quiet: float = BULK_QUIET,
+        clock: Callable[[], float] = time.monotonic,
+        threads: bool = True,
+    ) -> None:
+        """``workers`` demand fetches (run by the reading threads) and ``prefetch_workers``
+        prefetch fetches (on as many threads) at once; ``threads=False`` starts no thread
+        (the caller runs ``run_one``)."""
+        self._workers = max(1, workers)
+        self._prefetch_workers = prefetch_workers
+        self._gap = gap
+        self._max_request = max_request
+        self._prefetch_request = prefetch_request
+        self._bulk_quiet = bulk_quiet
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._entries: dict[tuple[int, str], _Entry] = {}
+        self._queued: dict[Priority, list[_Entry]] = {p: [] for p in Priority}
+        self._running = {p: 0 for p in Priority}
+        self._last_demand = clock()
+        self._closed = False
+        self.stats = SchedulerStats()
+        count = prefetch_workers if threads else 0
+        self._threads = [threading.Thread(target=self._work, daemon=True,
+                                          name=f"lazy-fetch-{n}") for n in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def submit(self, source: Source, items: Iterable[Item], priority: Priority
+               ) -> list[Future[bytes]]:
+        """Futures of the items' bytes. An item already queued or running is shared; one
+        queued at a lower priority is raised to ``priority``."""
+        futures = []
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the fetch scheduler is closed")
+            for item in items:
+                key = (id(source), item.key)
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = _Entry(item, source, priority)
+                    self._entries[key] = entry
+                    self._queued[priority].append(entry)
+                elif not entry.running and priority < entry.priority:
+                    self._queued[entry.priority].remove(entry)
+                    entry.priority = priority
+                    self._queued[priority].append(entry)
+                    self.stats.promoted += 1
+                futures.append(entry.future)
+            if priority is Priority.DEMAND:
+                self._last_demand = self._clock()
+            self._cond.notify_all()
+        return futures
+
+    def fetch(self, source: Source, items: list[Item], priority: Priority) -> dict[str, bytes]:
+        """Submit and wait: the items' bytes by key (the first failure is raised).
+
+        A ``DEMAND`` caller runs demand batches itself (its own, or any queued one while it
+        waits) instead of handing them to a worker thread: a FUSE read is then one thread
+        from request to reply, with no wake-up of another thread on the way (each such
+        hand-over can cost a GIL switch interval)."""
+        futures = self.submit(source, items, priority)
+        if priority is Priority.DEMAND:
+            self._help_until_done(futures)
+        return {item.key: future.result() for item, future in zip(items, futures, strict=True)}
+
+    def _help_until_done(self, futures: list[Future[bytes]]) -> None:
+        while True:
+            with self._cond:
+                batch = None
+                while not all(f.done() for f in futures):
+                    if self._queued[Priority.DEMAND] and \
+                            self._running[Priority.DEMAND] < self._workers:
+                        batch = self._batch(Priority.DEMAND, self._max_request)
+                        break
+                    if self._closed:
+                        return
+                    self._cond.wait()
+                if batch is None:
+                    return
+            self._run(batch)
+
+    def cancel(self, source: Source, below: Priority = Priority.DEMAND) -> int:
+        """Drop the queued (not running) items of ``source`` with a priority lower than
+        ``below`` (default: all prefetch); their futures are cancelled. Returns how many."""
+        dropped = 0
+        with self._cond:
+            for priority in Priority:
+                if priority <= below:
+                    continue
+                keep = []
+                for entry in self._queued[priority]:
+                    if entry.source is source:
+                        del self._entries[(id(source), entry.item.key)]
+                        entry.future.cancel()
+                        dropped += 1
+                    else:
+                        keep.append(entry)
+                self._queued[priority] = keep
+            self.stats.cancelled += dropped
+        return dropped
+
+    def close(self) -> None:
+        """Stop the workers; queued work is cancelled."""
+        with self._cond:
+            self._closed = True
+            for queue in self._queued.values():
+                for entry in queue:
+                    entry.future.cancel()
+                queue.clear()
+            self._entries.clear()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def demand_outstanding(self) -> bool:
+        with self._cond:
+            return bool(self._queued[Priority.DEMAND] or self._running[Priority.DEMAND])
+
+    # -- the state machine -------------------------------------------------------------
+
+    def take(self) -> Batch | None:
+        """The next batch to run (marked running), or None when nothing may run now."""
+        with self._cond:
+            return self._take_locked()
+
+    def finish(self, batch: Batch, got: dict[str, bytes] | None,
+               error: BaseException | None = None) -> None:
+        """Resolve the batch's futures with ``got`` (missing keys fail with ``error``)."""
+        with self._cond:
+            self._running[batch.priority] -= 1
+            if batch.priority is Priority.DEMAND:
+                self._last_demand = self._clock()
+            for entry in batch.entries:
+                self._entries.pop((id(entry.source), entry.item.key), None)
+            self._cond.notify_all()
+        for entry in batch.entries:
+            data = (got or {}).get(entry.item.key)
+            if data is not None:
+                entry.future.set_result(data)
+            else:
+                entry.future.set_exception(error or RuntimeError(
+                    f"chunk {entry.item.key} missing from its fetch"))
+
+    def run_one(self) -> bool:
+        """Take one batch and run it in this thread; False when none may run now."""
+        batch = self.take()
+        if batch is None:
+            return False
+        self._run(batch)
+        return True
+
+    def _run(self, batch: Batch) -> None:
+        try:
+            got = batch.source.fetch_items(batch.items, batch.priority)
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            self.finish(batch, None, exc)
+            return
+        self.finish(batch, got)
+
+    def _take_locked(self, prefetch_only: bool = False) -> Batch | None:
+        """``prefetch_only``: for the worker threads (demand is run by its callers, see
+        ``fetch``); queued demand still holds the prefetch back."""
+        demand = self._queued[Priority.DEMAND]
+        if demand:
+            if prefetch_only:
+                return None
+            if self._running[Priority.DEMAND] >= self._workers:
+                return None
+            return self._batch(Priority.DEMAND, self._max_request)
+        prefetching = self._running[Priority.PRIORITY] + self._running[Priority.BULK]
+        if prefetching >= self._prefetch_workers:
+            return None
+        if self._queued[Priority.PRIORITY]:
+            return self._batch(Priority.PRIORITY, self._prefetch_request)
+        if self._running[Priority.DEMAND]:
+            return None  # the bulk waits while a demand fetch is on the wire
+        if self._queued[Priority.BULK] and self.bulk_wait() <= 0:
+            return self._batch(Priority.BULK, self._prefetch_request)
+        return None
+
+    def bulk_wait(self) -> float:
+        """Seconds until bulk prefetch may run (demand quiet long enough); 0: now."""
+        return max(0.0, self._last_demand + self._bulk_quiet - self._clock())
+
+    def _batch(self, priority: Priority, limit: int) -> Batch:
+        """The queue's first entry (lowest offset of the first source) and the entries of
+        the same source that extend it within ``gap``, up to ``limit`` bytes."""
+        queue = self._queued[priority]
+        first = min(queue, key=lambda e: e.item.start) if priority is Priority.DEMAND \
+            else queue[0]
+        source = first.source
+        mine = sorted((e for e in queue if e.source is source), key=lambda e: e.item.start)
+        start_at = mine.index(first)
+        taken = [first]
+        end = first.item.end
+        for entry in mine[start_at + 1:]:
+            if entry.item.start - end > self._gap or \
+                    max(end, entry.item.end) - first.item.start > limit:
+                break
+            taken.append(entry)
+            end = max(end, entry.item.end)
+        chosen = {id(e) for e in taken}
+        self._queued[priority] = [e for e in queue if id(e) not in chosen]
+        for entry in taken:
+            entry.running = True
+        self._running[priority] += 1
+        self.stats.batches[priority.name] += 1
+        return Batch(source, priority, taken)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                batch = None
+                while not self._closed:
+                    batch = self._take_locked(prefetch_only=True)
+                    if batch is not None:
+                        break
+                    wait = None
+                    if self._queued[Priority.BULK] and not self._queued[Priority.DEMAND]:
+                        wait = self.bulk_wait() or None
+                    self._cond.wait(wait)
+                if batch is None:
+                    return
+            self._run(batch)
+
+
+def wait_all(futures: Iterable[Future[bytes]]) -> None:
+    """Wait for every future; cancelled ones are ignored (their source was unmounted)."""
+    for future in futures:
+        try:
+            future.result()
+        except CancelledError:
+            continue

@@ -1,0 +1,88 @@
+"""Many current lease renewals in one statement (group commit for the renewals' hot path).
+
+``nodes.renew_current`` renews one grant with one guarded ``UPDATE … RETURNING``. At
+thousands of renewals a second one statement each costs a thread, a pooled connection and
+a round trip apiece; here the renewals that arrived together are renewed by one statement
+with the same guard checked per row: the node token by its hash, the fencing token, the
+grant still current (``Ready``, not lapsed) and, for an agent that would uncordon, no
+cordon reason. Every row gets the same expiry (``now`` + TTL at the statement). A renewal
+the statement did not match gets None: the caller then takes the full path, which gives it
+its own answer (401, 409, a new grant), exactly as after ``renew_current``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import select, tuple_, update
+
+from gpucloud.core.models import LeaseRequest, LeaseResponse
+from gpucloud.core.phases import NodeStatus
+from gpucloud.db.models import NodeModel
+from gpucloud.services.context import ServiceContext, hash_secret, secret_matches
+
+#: Renewals per statement: (hash, token) pairs stay well under SQLite's 32,766 parameters.
+CHUNK = 1000
+
+
+@dataclass(frozen=True)
+class Renewal:
+    token: str
+    request: LeaseRequest
+
+
+def eligible(token: str | None, request: LeaseRequest) -> bool:
+    """Whether the hot path may renew it (else only the full path can answer it)."""
+    return bool(token) and request.fencing_token is not None and (
+        request.gpu_health is None and request.node_fault is None
+        and not request.gpu_actions)
+
+
+def renew_many(ctx: ServiceContext, renewals: list[Renewal]) -> list[LeaseResponse | None]:
+    """Each renewal's response, or None where the full path must answer."""
+    out: list[LeaseResponse | None] = [None] * len(renewals)
+    groups: dict[bool, list[int]] = defaultdict(list)
+    for i, renewal in enumerate(renewals):
+        groups[renewal.request.auto_uncordon].append(i)
+    for auto_uncordon, indices in groups.items():
+        for start in range(0, len(indices), CHUNK):
+            _renew_chunk(ctx, renewals, indices[start:start + CHUNK], auto_uncordon, out)
+    return out
+
+
+def _renew_chunk(ctx: ServiceContext, renewals: list[Renewal], indices: list[int],
+                 auto_uncordon: bool, out: list[LeaseResponse | None]) -> None:
+    now = ctx.clock.now()
+    ttl = ctx.settings.lease_ttl_seconds
+    expires = now + timedelta(seconds=ttl)
+    by_hash: dict[str, list[int]] = defaultdict(list)
+    for i in indices:
+        by_hash[hash_secret(renewals[i].token)].append(i)
+    pairs = {(h, renewals[i].request.fencing_token) for h, ii in by_hash.items() for i in ii}
+    guard = [tuple_(NodeModel.token_hash, NodeModel.fencing_token).in_(sorted(pairs)),
+             NodeModel.status == NodeStatus.READY.value, NodeModel.lease_expires_at > now]
+    if auto_uncordon:
+        guard.append(NodeModel.cordon_reason.is_(None))  # else: uncordon (full path)
+    # A row another transaction holds (a scheduling pass claiming its node) is skipped,
+    # not waited for: one statement locking many rows never waits in a cycle with another
+    # (PostgreSQL; SQLite has one writer). The skipped renewal takes the full path.
+    free = select(NodeModel.id).where(*guard).with_for_update(skip_locked=True)
+    statement = (update(NodeModel).where(NodeModel.id.in_(free.scalar_subquery()), *guard)
+                 .values(lease_expires_at=expires, lease_renewed_at=now)
+                 .returning(NodeModel.token_hash, NodeModel.fencing_token))
+    with ctx.db.engine.connect() as connection:
+        if ctx.db.is_sqlite:
+            with connection.begin():
+                rows = connection.execute(statement).all()
+        else:  # one statement: autocommit, a single round trip
+            rows = connection.execution_options(isolation_level="AUTOCOMMIT").execute(
+                statement).all()
+    for token_hash, fencing_token in rows:
+        for i in by_hash.get(token_hash, []):
+            renewal = renewals[i]
+            if renewal.request.fencing_token == fencing_token and secret_matches(
+                    renewal.token, token_hash):
+                out[i] = LeaseResponse(fencing_token=fencing_token, lease_expires_at=expires,
+                                       lease_ttl_seconds=ttl, new_grant=False)

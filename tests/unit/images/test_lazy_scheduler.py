@@ -1,0 +1,198 @@
+"""``FetchScheduler``: demand before prefetch, promotion, cancellation, range merging.
+
+Driven by hand (``threads=False``: ``take``/``finish``/``run_one`` in the test's thread) with a
+controllable clock, against a source that records the requests it would send.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import CancelledError
+
+import pytest
+
+from gpucloud.images.lazy.scheduler import FetchScheduler, Item, Priority
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    """A source whose 'blob' byte at offset i is i % 251; records each merged request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[Priority, int, int, list[str]]] = []
+
+    def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
+        start, end = items[0].start, max(i.end for i in items)
+        self.requests.append((priority, start, end, [i.key for i in items]))
+        return {i.key: bytes(b % 251 for b in range(i.start, i.end)) for i in items}
+
+
+def _items(*extents: tuple[int, int]) -> list[Item]:
+    return [Item(f"c{start}", start, end) for start, end in extents]
+
+
+def _scheduler(clock: Clock, workers: int = 0, **kwargs: int | float) -> FetchScheduler:
+    """``workers``: the demand concurrency (no threads: the test runs every batch itself)."""
+    options: dict[str, int | float] = {"gap": 100, "max_request": 10_000,
+                                       "prefetch_request": 1_000, "bulk_quiet": 1.0}
+    options.update(kwargs)
+    return FetchScheduler(workers or 4, 1, clock=clock, threads=False, **options)  # type: ignore[arg-type]
+
+
+def _drain(scheduler: FetchScheduler) -> None:
+    while scheduler.run_one():
+        pass
+
+
+def test_demand_runs_before_queued_prefetch_and_bulk_waits_for_quiet() -> None:
+    clock, src = Clock(), Recorder()
+    sched = _scheduler(clock)
+    bulk = sched.submit(src, _items((5000, 5400)), Priority.BULK)
+    prio = sched.submit(src, _items((0, 300)), Priority.PRIORITY)
+    demand = sched.submit(src, _items((9000, 9100)), Priority.DEMAND)
+    assert sched.run_one()
+    assert demand[0].done() and not prio[0].done()
+    assert sched.run_one()
+    assert [r[0] for r in src.requests] == [Priority.DEMAND, Priority.PRIORITY]
+    assert prio[0].result() == bytes(
+        b % 251 for b in range(300))
+    # Demand ended just now: the bulk waits for bulk_quiet seconds of no demand.
+    assert not sched.run_one() and sched.bulk_wait() == pytest.approx(1.0)
+    clock.now += 1.0
+    assert sched.run_one() and bulk[0].done()
+    assert [r[0] for r in src.requests] == [Priority.DEMAND, Priority.PRIORITY, Priority.BULK]
+
+
+def test_bulk_pauses_while_a_demand_fetch_is_on_the_wire() -> None:
+    clock, src = Clock(), Recorder()
+    sched = _scheduler(clock)
+    sched.submit(src, _items((0, 100)), Priority.BULK)
+    sched.submit(src, _items((4000, 4100)), Priority.DEMAND)
+    running = sched.take()
+    assert running is not None and running.priority is Priority.DEMAND
+    clock.now += 10
+    assert sched.demand_outstanding()
+    assert sched.take() is None  # the bulk does not start meanwhile
+    sched.finish(running, src.fetch_items(running.items, running.priority))
+    assert not sched.demand_outstanding()
+    assert sched.take() is None  # nor right after: demand must be quiet for a while
+    clock.now += 1
+    nxt = sched.take()
+    assert nxt is not None and nxt.priority is Priority.BULK
+
+
+def test_queued_demand_always_goes_out_before_prioritized_prefetch() -> None:
+    clock, src = Clock(), Recorder()
+    sched = _scheduler(clock, workers=1)
+    sched.submit(src, _items((0, 100)), Priority.PRIORITY)
+    sched.submit(src, _items((4000, 4100), (8000, 8100)), Priority.DEMAND)
+    first = sched.take()
+    assert first is not None and first.priority is Priority.DEMAND
+    # Demand is queued (the one demand worker is busy): the prefetch does not go first.
+    assert sched.take() is None
+    sched.finish(first, src.fetch_items(first.items, first.priority))
+    second = sched.take()
+    assert second is not None and second.priority is Priority.DEMAND
+    # With no demand queued, the prioritized files go out beside the running demand.
+    third = sched.take()
+    assert third is not None and third.priority is Priority.PRIORITY
+
+
+def test_prefetch_concurrency_is_bounded_but_demand_is_not_held_back() -> None:
+    clock, src = Clock(), Recorder()
+    sched = _scheduler(clock)
+    sched.submit(src, _items((0, 100), (5000, 5100)), Priority.PRIORITY)
+    first = sched.take()
+    assert first is not None and first.priority is Priority.PRIORITY
+    assert sched.take() is None  # one prefetch fetch at a time
+    sched.submit(src, _items((9000, 9100)), Priority.DEMAND)
+    demand = sched.take()  # demand runs even while a prefetch is on the wire
+    assert demand is not None and demand.priority is Priority.DEMAND
+
+
+def test_a_demand_read_promotes_a_chunk_queued_for_prefetch() -> None:
+    clock, src = Clock(), Recorder()
+    sched = _scheduler(clock)
+    queued = sched.submit(src, _items((0, 100), (6000, 6100)), Priority.BULK)
+    again = sched.submit(src, _items((6000, 6100)), Priority.DEMAND)
+    assert again[0] is queued[1]  # one fetch, shared
+    assert sched.run_one()
+    assert src.requests == [(Priority.DEMAND, 6000, 6100, ["c6000"])]
+    assert sched.stats.promoted == 1
+    clock.now += 5
+    _drain(sched)
+    assert [r[3] for r in src.requests] == [["c6000"], ["c0"]]
+
+
+def test_a_chunk_on_the_wire_is_fetched_once_for_every_reader() -> None:
+    clock, src = Clock(), Recorder()
+    sched = _scheduler(clock)
+    first = sched.submit(src, _items((0, 100)), Priority.PRIORITY)
+    batch = sched.take()
+    assert batch is not None
+    second = sched.submit(src, _items((0, 100)), Priority.DEMAND)  # running: shared as is
+    assert second[0] is first[0] and sched.take() is None
+    sched.finish(batch, src.fetch_items(batch.items, batch.priority))
+    assert second[0].result() == first[0].result() and len(src.requests) == 1
+
+
+def test_adjacent_and_nearby_items_merge_up_to_the_request_cap() -> None:
+    clock, src = Clock(), Recorder()
+    sched = _scheduler(clock, max_request=1000)
+    # 0-300, 300-600 touch; 650 is within the 100-byte gap; 900-1200 would pass the cap;
+    # 5000 is far.
+    sched.submit(src, _items((5000, 5100), (650, 800), (0, 300), (300, 600), (900, 1200)),
+                 Priority.DEMAND)
+    _drain(sched)
+    assert [(r[1], r[2]) for r in src.requests] == [(0, 800), (900, 1200), (5000, 5100)]
+
+
+def test_prefetch_requests_are_capped_smaller_than_demand() -> None:
+    clock, src = Clock(), Recorder()
+    sched = _scheduler(clock, prefetch_request=500)
+    sched.submit(src, _items((0, 300), (300, 600), (600, 900)), Priority.PRIORITY)
+    _drain(sched)
+    assert [(r[1], r[2]) for r in src.requests] == [(0, 300), (300, 600), (600, 900)]
+
+
+def test_cancel_drops_queued_prefetch_of_one_source_only() -> None:
+    clock, src, other = Clock(), Recorder(), Recorder()
+    sched = _scheduler(clock)
+    mine = sched.submit(src, _items((0, 100), (2000, 2100)), Priority.BULK)
+    theirs = sched.submit(other, _items((0, 100)), Priority.BULK)
+    demand = sched.submit(src, _items((8000, 8100)), Priority.DEMAND)
+    assert sched.cancel(src) == 2
+    assert all(f.cancelled() for f in mine)
+    with pytest.raises(CancelledError):
+        mine[0].result()
+    _drain(sched)  # the demand
+    clock.now += 5
+    _drain(sched)  # the other source's bulk, once demand has been quiet
+    assert demand[0].done() and theirs[0].done()
+    assert src.requests == [(Priority.DEMAND, 8000, 8100, ["c8000"])]
+    # The same chunk can be asked for again after its prefetch was cancelled.
+    again = sched.submit(src, _items((0, 100)), Priority.DEMAND)
+    assert not again[0].cancelled() and sched.run_one() and again[0].result() == bytes(range(100))
+
+
+def test_a_failed_fetch_fails_its_waiters_and_not_the_others() -> None:
+    clock = Clock()
+
+    class Broken(Recorder):
+        def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
+            raise OSError("registry gone")
+
+    broken, fine = Broken(), Recorder()
+    sched = _scheduler(clock)
+    bad = sched.submit(broken, _items((0, 100)), Priority.DEMAND)
+    good = sched.submit(fine, _items((0, 100)), Priority.DEMAND)
+    _drain(sched)
+    with pytest.raises(OSError, match="registry gone"):
+        bad[0].result()
+    assert good[0].result() == bytes(range(100))
