@@ -479,23 +479,7 @@ def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
 def stop_lazyfs(state_dir: Path) -> None:
     """Stop the node's lazyfs daemon (it outlives its agent by design): a finished run's
     daemon must not go on prefetching into the next run's link, CPU and byte counts."""
-    path = state_dir / "lazyfs" / "control.sock"
-    if not path.exists():
-        return
-    try:
-        pid = int(_lazyfs_request(path, {"op": "ping"})["pid"])
-        _lazyfs_request(path, {"op": "shutdown"})
-    except (OSError, ValueError, KeyError):
-        return
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.05)
+    LazyfsClient(state_dir).shutdown()
 
 
 def _lazyfs_request(path: Path, request: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from gpucloud.client.sdk import GpucloudClient
 from gpucloud.core.models import PodOut
 from gpucloud.core.settings import Settings
 from gpucloud.images import ImageManager
+from gpucloud.images.lazy.client import LazyfsClient
 from gpucloud.images.rootfs import unmount
 from gpucloud.runtime.driver import ContainerState, RuncDriver
 from gpucloud.runtime.network import BridgeNetwork
@@ -217,6 +218,7 @@ def clean_node(state_dir: Path) -> None:
         images.release_rootfs(driver.paths(status.container_id).root)
         driver.remove(status.container_id)
     images.close()
+    LazyfsClient(state_dir).shutdown()  # it outlives its agent by design; a test's must not
     BridgeNetwork(state_dir).destroy()  # namespaces, veths, the bridge, its iptables rules
     for mount in _mounts_under(state_dir):
         unmount(Path(mount))

@@ -129,6 +129,8 @@ def test_console_walkthrough_in_chromium(cloud: Cloud, images: PushedImages,
             console.sign_in(team)
             _create_from_template(console)
             console.wait_text("#phase", "Running")
+            wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#started time"), 10,
+                     "Started filled from the stream")
             console.wait_text("#logs", "tick 3")  # arrived over the stream, no reload
             assert "port 8080" in console.text("#ports")
             created = driver.find_element(By.CSS_SELECTOR, ".facts time")

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from gpucloud.console.session import LOGIN_COOKIE, SESSION_COOKIE
 from tests.conftest import ADMIN_KEY
+from tests.integration.conftest import agent_headers
 
 CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 
@@ -215,3 +216,109 @@ def test_a_job_page_lists_members_by_rank_and_the_gang_state(
                        r'(train-\d)</a>', page)
     assert ranks == [("0", "train-0"), ("1", "train-1")]
     assert 'id="gang-state"' in page and "2 nodes × 8 GPUs" in page
+
+
+def _console_job(user: ConsoleUser, csrf: str | None = None, **fields: str) -> Any:
+    return user.post("/console/jobs", {"nodes": "1", "gpus_per_node": "0", **fields}, csrf)
+
+
+def test_a_job_is_created_from_a_template_then_stopped_and_deleted(
+    anonymous: TestClient, api: TestClient, team: Callable[[str], str],
+    register_node: Callable[..., dict[str, Any]],
+) -> None:
+    register_node("n1")
+    register_node("n2")
+    key = team("alpha")
+    owner, stranger = ConsoleUser(anonymous, key), ConsoleUser(anonymous, team("beta"))
+    made = owner.post("/console/templates", {"name": "trainer", "image": "busybox",
+                                             "command": "sleep 60", "gpus": "1"})
+    assert made.status_code == 303
+    form = owner.get("/console/jobs").text
+    assert '<option value="trainer">' in form and '<option value="8">8</option>' in form
+    created = _console_job(owner, name="train", template="trainer", nodes="2",
+                           gpus_per_node="8")
+    assert created.status_code == 303, created.text
+    job_url = created.headers["location"]
+    job = api.get("/v1/jobs/train", headers={"Authorization": f"Bearer {key}"}).json()
+    assert job_url == f"/console/jobs/{job['id']}"
+    assert (job["image"], job["command"], job["nodes"], job["gpus_per_node"]) == \
+        ("busybox", ["sleep", "60"], 2, 8)
+    page = owner.get(job_url).text
+    assert "2 nodes × 8 GPUs" in page and f"{job_url}/stop" in page
+    assert stranger.get(job_url).status_code == 404
+    for action in ("/stop", "/delete"):
+        assert stranger.post(job_url + action, {}).status_code == 404
+        assert owner.post(job_url + action, {}, csrf="").status_code == 403
+    assert ">train<" not in stranger.get("/console/jobs").text
+    assert owner.post(job_url + "/stop", {}).status_code == 303
+    assert owner.post(job_url + "/delete", {}).headers["location"] == "/console/jobs"
+    assert owner.get(job_url).status_code == 404
+    assert 'href="/console/jobs/' not in owner.get("/console/jobs").text
+
+
+def test_the_job_form_names_the_bad_field_and_writes_nothing(
+    anonymous: TestClient, team: Callable[[str], str],
+) -> None:
+    user = ConsoleUser(anonymous, team("alpha"))
+    for fields, field in (({"name": "j", "image": "busybox", "nodes": "0"}, "nodes"),
+                          ({"name": "j"}, "image"),
+                          ({"name": "j", "template": "nope"}, "template"),
+                          ({"name": "Bad Name", "image": "busybox"}, "name"),
+                          ({"name": "j", "image": "busybox", "gpus_per_node": "x"},
+                           "gpus_per_node")):
+        response = _console_job(user, **fields)
+        assert response.status_code == 422 and f"{field}: " in response.text, fields
+    refused = _console_job(user, name="j", image="busybox", csrf="")
+    assert refused.status_code == 403
+    assert 'href="/console/jobs/' not in user.get("/console/jobs").text
+
+
+def test_templates_are_created_offered_and_deleted(
+    anonymous: TestClient, team: Callable[[str], str],
+) -> None:
+    owner, stranger = ConsoleUser(anonymous, team("alpha")), ConsoleUser(anonymous, team("beta"))
+    template = {"name": "nb", "image": "jupyter/base", "command": "start.sh", "gpus": "0.5",
+                "ports": "8888/http"}
+    assert owner.post("/console/templates", template, csrf="").status_code == 403
+    assert owner.post("/console/templates", template).status_code == 303
+    listed = owner.get("/console/templates").text
+    assert 'data-template="nb"' in listed and "8888/http" in listed and "0.5" in listed
+    assert '<option value="nb">nb — jupyter/base</option>' in owner.get("/console/pods").text
+    assert 'data-template="nb"' not in stranger.get("/console/templates").text
+    for fields, field in (({**template}, "name"),  # taken
+                          ({**template, "name": "x", "gpus": "-1"}, "gpus"),
+                          ({**template, "name": "x", "image": ""}, "image"),
+                          ({**template, "name": "x", "ports": "http"}, "ports")):
+        response = owner.post("/console/templates", fields)
+        assert response.status_code == 422 and f"{field}: " in response.text, fields
+    assert 'data-template="x"' not in owner.get("/console/templates").text
+    assert stranger.post("/console/templates/nb/delete", {}).status_code == 404
+    assert owner.post("/console/templates/nb/delete", {}, csrf="").status_code == 403
+    assert owner.post("/console/templates/nb/delete", {}).status_code == 303
+    assert 'data-template="nb"' not in owner.get("/console/templates").text
+
+
+def test_the_pods_rows_refresh_and_the_pod_shows_when_it_started(
+    anonymous: TestClient, api: TestClient, team: Callable[[str], str],
+    register_node: Callable[..., dict[str, Any]], schedule: Callable[[], Any],
+) -> None:
+    reg = register_node("gpu-1")
+    owner, stranger = ConsoleUser(anonymous, team("alpha")), ConsoleUser(anonymous, team("beta"))
+    pod_url = owner.post("/console/pods", {"name": "web", "image": "busybox",
+                                           "gpus": "1"}).headers["location"]
+    assert 'data-refresh="/console/pods/_rows"' in owner.get("/console/pods").text
+    rows = owner.get("/console/pods/_rows").text
+    assert 'data-pod="web"' in rows and "phase-pending" in rows and "<html" not in rows
+    assert '<dt>Started</dt><dd id="started">—</dd>' in owner.get(pod_url).text
+    schedule()
+    running = api.post(f"/v1/agent/pods/{pod_url.rsplit('/', 1)[1]}/status",
+                       headers=agent_headers(reg),
+                       json={"fencing_token": reg["fencing_token"], "phase": "Running"})
+    assert running.status_code == 200, running.text
+    rows = owner.get("/console/pods/_rows").text
+    assert "phase-running" in rows and "gpu-1" in rows
+    assert re.search(r'<dt>Started</dt><dd id="started"><time datetime="\d{4}-[^"]+Z">',
+                     owner.get(pod_url).text)
+    assert 'data-pod="web"' not in stranger.get("/console/pods/_rows").text
+    anonymous.cookies.clear()
+    assert anonymous.get("/console/pods/_rows", follow_redirects=False).status_code == 303

@@ -201,7 +201,10 @@ async def forward(pool: UpstreamPool, key: tuple[str, int], request: ProxyReques
         for task in (watcher, pump):
             task.cancel()
     if completed:
+        # Back in the pool before the client sees the end of the body: its next request
+        # on a keep-alive connection may arrive (and acquire) before this call returns.
         pool.release(upstream)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
     else:
         upstream.close()
 
@@ -263,7 +266,8 @@ async def _pump_request(upstream: Upstream, receive: Receive, idle: float) -> No
 
 
 async def _pump_response(upstream: Upstream, send: Send, idle: float) -> bool:
-    """Body chunks to the client; True if the response ended cleanly."""
+    """Body chunks to the client; True if the upstream response ended cleanly (the
+    caller ends the client's body, after releasing the upstream)."""
     try:
         while True:
             event = await upstream.next_event(idle)
@@ -271,7 +275,6 @@ async def _pump_response(upstream: Upstream, send: Send, idle: float) -> bool:
                 await send({"type": "http.response.body", "body": bytes(event.data),
                             "more_body": True})
             elif isinstance(event, h11.EndOfMessage):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return True
             else:
                 return False

@@ -95,6 +95,9 @@ class Agent:
             log.info("transparent checkpoints unavailable: %s", body.capabilities.criu_reason)
         self.sharing = self._gpu_sharing(body.capabilities)
         self.health = node_health(config, self.devices.hardware)
+        self._registration_body = body
+        if self.health is not None and self.mig is not None:
+            self.health.mig_mode = self._switch_mig_mode  # node mig-mode (agent/health)
         self.conn = Connection(config.server, body, IdentityFile(config.state_dir),
                                self.stop_event, transport, on_registered=self._registered)
         self.driver = RuncDriver(config.state_dir, runc=config.runc)
@@ -150,6 +153,15 @@ class Agent:
         capabilities.dmem_gpus = [gpu.uuid for gpu in hardware.gpus
                                   if dmem_unified(regions, gpu, 1)]
         return sharing
+
+    def _switch_mig_mode(self, index: int, on: bool) -> str:
+        """Switch a GPU's MIG mode; a re-registration then advertises the new mode."""
+        assert self.mig is not None
+        done = self.mig.set_mig_mode(index, on)
+        for gpu in self._registration_body.gpus:
+            if gpu.index == index:
+                gpu.mig_mode = on
+        return done
 
     @property
     def hardware_note(self) -> str | None:

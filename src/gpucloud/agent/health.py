@@ -5,10 +5,11 @@ last report, so the server's view never lapses. Real GPUs are checked through NV
 kernel log; simulated ones report the faults injected with ``--inject-fault`` or written
 into ``--fault-file`` by a test (an emptied file is the simulated reset).
 
-Admin maintenance (``node gpu-reset`` / ``node diag``) arrives in the assignments: each
-action runs once, off the poll thread (a DCGM diag takes minutes), and its result rides
-with every renewal until the assignments stop listing it (the server has it). A reset and
-a passed diag put the GPU back in service at once; the next report is a fresh check.
+Admin maintenance (``node gpu-reset`` / ``node diag`` / ``node mig-mode``) arrives in the
+assignments: each action runs once, off the poll thread (a DCGM diag takes minutes), and
+its result rides with every renewal until the assignments stop listing it (the server has
+it). A reset and a passed diag put the GPU back in service at once; the next report is a
+fresh check.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ from gpucloud.gpu.health import (
     nvml_faults,
     parse_injected,
 )
+from gpucloud.gpu.mig import MigError
 from gpucloud.gpu.nvml import DEFAULT_NVML
+
+MIG_ACTIONS = ("mig-on", "mig-off")
 
 KERNEL_LOG = Path("/var/log/kern.log")
 
@@ -48,6 +52,9 @@ class NodeHealth:
     auto_uncordon: bool = True
     clock: Callable[[], float] = time.monotonic
     maintenance: Maintenance | None = None
+    #: Switches a GPU's MIG mode (``node mig-mode``: the agent's MIG manager, set by the
+    #: agent where the node has MIG-capable GPUs); returns what it did, raises MigError.
+    mig_mode: Callable[[int, bool], str] | None = None
     #: How an action runs: a daemon thread (tests pass one that runs it inline).
     spawn: Callable[[Callable[[], None]], None] = field(default=lambda work: threading.Thread(
         target=work, name="gpu-maintenance", daemon=True).start())
@@ -88,7 +95,7 @@ class NodeHealth:
 
     def _run(self, action: GpuAction) -> None:
         outcome = self._outcome(action)
-        if outcome.passed:
+        if outcome.passed and action.action not in MIG_ACTIONS:
             self.tracker.recovered(action.gpu_index)
         with self._lock:
             self._results[action.id] = {"id": action.id, "passed": outcome.passed,
@@ -96,6 +103,8 @@ class NodeHealth:
             self._due = 0.0  # the next renewal carries a fresh check
 
     def _outcome(self, action: GpuAction) -> DiagOutcome:
+        if action.action in MIG_ACTIONS:
+            return self._switch_mig(action)
         if self.maintenance is None:
             return DiagOutcome(False, "this node has no GPU maintenance tools")
         try:
@@ -106,6 +115,20 @@ class NodeHealth:
             return self.maintenance.diag(action.gpu_index, action.level)
         except (OSError, ValueError) as error:  # the action's failure, not the agent's
             return DiagOutcome(False, f"{action.action} failed: {error}")
+
+
+    def _switch_mig(self, action: GpuAction) -> DiagOutcome:
+        """``mig-on`` / ``mig-off``: the transition the agent reports (server: the GPU's
+        ``mig_mode`` follows a passed one)."""
+        if self.mig_mode is None:
+            return DiagOutcome(False, "this node has no MIG-capable GPUs to switch")
+        on = action.action == "mig-on"
+        try:
+            done = self.mig_mode(action.gpu_index, on)
+        except (MigError, OSError) as error:
+            return DiagOutcome(False, f"MIG mode {'on' if on else 'off'} failed: {error}")
+        return DiagOutcome(True, f"MIG mode {'on' if on else 'off'} on GPU "
+                                 f"{action.gpu_index}: {done}")
 
 
 def node_health(config: AgentConfig, hardware: NodeHardware) -> NodeHealth | None:

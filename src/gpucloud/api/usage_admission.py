@@ -164,6 +164,7 @@ class IngestAdmission:
     shed: int = 0
     _not_before: float = float("-inf")
     _turns: dict[int, asyncio.Lock] | None = None
+    _slots: dict[int, asyncio.Semaphore] | None = None
 
     def busy(self) -> bool:
         return self.clock() - self.activity.last() < self.quiet_seconds
@@ -175,6 +176,14 @@ class IngestAdmission:
             self.shed += 1
             return False
         return True
+
+    def _slot(self) -> asyncio.Semaphore:
+        """The ``limit`` quiet-time threads of this event loop: a batch waiting for one
+        looks again whether API calls began meanwhile (then it takes its busy turn)."""
+        if self._slots is None:
+            self._slots = {}
+        return self._slots.setdefault(id(asyncio.get_running_loop()),
+                                      asyncio.Semaphore(self.limit))
 
     async def _wait_turn(self) -> None:
         """Until the API calls stop, or they have gone on ``defer_seconds`` and the
@@ -193,7 +202,9 @@ class IngestAdmission:
         self.active += 1
         try:
             if not self.busy():
-                return await work()
+                async with self._slot():
+                    if not self.busy():  # still quiet once a thread is free
+                        return await work()
             if self._turns is None:
                 self._turns = {}
             turns = self._turns.setdefault(id(asyncio.get_running_loop()), asyncio.Lock())

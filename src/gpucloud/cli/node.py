@@ -147,7 +147,7 @@ def mig(node: str,
                                           "placed), fixed (use the node's own layout) or "
                                           "off (no MIG pods)")],
         output: OutputOption = OutputFormat.TABLE) -> None:
-    """Set a node's MIG policy (switching a GPU's MIG mode stays a drain-time admin step)."""
+    """Set a node's MIG policy (a GPU's MIG mode itself: ``node mig-mode``, at drain time)."""
     resources.say(lambda api: api.set_mig_policy(node, mode), output,
                   lambda found: f"node {found.name} mig policy {found.mig_policy}")
 
@@ -170,11 +170,12 @@ def _maintenance_lines(node: NodeOut, ids: set[str]) -> list[str]:
 
 
 def _run_action(node: str, action: str, gpu: int | None, level: int, wait: float,
-                output: OutputFormat) -> None:
+                output: OutputFormat, drain_wait: float = 0) -> None:
     """Ask for the action, then wait (up to ``wait`` seconds) for the agent's answer;
-    exit 1 when it failed or did not come."""
+    exit 1 when it failed or did not come. ``drain_wait``: how long a MIG switch may wait
+    for the GPU's pods to end (server side)."""
     sdk = client()
-    asked = sdk.gpu_action(node, action, gpu, level)
+    asked = sdk.gpu_action(node, action, gpu, level, drain_wait)
     ids = {g.maintenance.id for g in asked.gpus
            if g.maintenance is not None and g.maintenance.state == "requested"}
     found, deadline = asked, time.monotonic() + wait
@@ -216,6 +217,22 @@ def diag(node: str, gpu: Annotated[int | None, typer.Option(min=0, help="GPU ind
     """Run a diag on a node's GPUs through its agent; a GPU that passes is back in service."""
     with cli_errors():
         _run_action(node, "diag", gpu, level, wait, output)
+
+
+@app.command("mig-mode")
+def mig_mode(node: str, gpu: Annotated[int, typer.Argument(min=0, help="GPU index")],
+             on: Annotated[bool, typer.Option("--on/--off", help="MIG mode on or off")],
+             wait: Annotated[float, typer.Option(
+                 "--wait", min=0, help="Seconds the switch may wait for the GPU's pods to "
+                 "end, then for the agent (0: refuse while pods hold the GPU, do not wait)")
+             ] = 300,
+             output: OutputOption = OutputFormat.TABLE) -> None:
+    """Switch a GPU's MIG mode (an admin step at drain time): the GPU leaves scheduling,
+    the agent switches it once no pod holds it (it may reset the GPU), and placement
+    follows the new mode."""
+    with cli_errors():
+        _run_action(node, "mig-on" if on else "mig-off", gpu, 1, wait, output,
+                    drain_wait=wait)
 
 
 def _drain_summary(node: NodeOut) -> str | None:

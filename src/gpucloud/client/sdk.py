@@ -228,10 +228,18 @@ class GpucloudClient(_Base):
         return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/mig", json={"mode": mode})
 
     def gpu_action(self, ref: str, action: str, gpu: int | None = None,
-                   level: int = 1) -> NodeOut:
-        """``gpucloud node gpu-reset NODE GPU`` (``reset``) / ``node diag`` (``diag``)."""
+                   level: int = 1, wait_seconds: float = 0) -> NodeOut:
+        """``gpucloud node gpu-reset NODE GPU`` (``reset``) / ``node diag`` (``diag``) /
+        ``node mig-mode NODE GPU --on|--off`` (``mig-on``/``mig-off``: ``wait_seconds``
+        how long the switch may wait for the GPU's pods to end; 0: 409 while they run)."""
         return self._typed(NodeOut, "POST", f"/v1/nodes/{ref}/gpu-actions",
-                           json={"action": action, "gpu": gpu, "level": level})
+                           json={"action": action, "gpu": gpu, "level": level,
+                                 "wait_seconds": wait_seconds})
+
+    def set_mig_mode(self, ref: str, gpu: int, on: bool, wait_seconds: float = 0) -> NodeOut:
+        """Switch GPU ``gpu``'s MIG mode at drain time (``gpucloud node mig-mode``)."""
+        return self.gpu_action(ref, "mig-on" if on else "mig-off", gpu,
+                               wait_seconds=wait_seconds)
 
     def drain(self, ref: str, deadline: str | float | None = None) -> NodeOut:
         """Drain a node (``deadline``: ``60s``, ``10m``; None: the server's default)."""

@@ -1,4 +1,4 @@
-"""Jobs (members by rank, gang state), nodes (the GPU grid; cordon and drain for
+"""Nodes (the GPU grid; cordon and drain for
 admins) and usage (GPU-hours per day, cost per project)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from gpucloud.console.views import Bar, column_chart, days, gpu_cells, money, ro
 from gpucloud.console.web import ConsoleRoute, CurrentViewer, Form, back, page
 from gpucloud.core.billing import UsageBy
 from gpucloud.core.spot import NodeDrainRequest
-from gpucloud.services import billing, drain, jobs, nodes, occupancy, projects
+from gpucloud.services import billing, drain, nodes, occupancy, projects
 
 router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schema=False)
 
@@ -23,19 +23,6 @@ def _wake(request: Request) -> None:
     runner = getattr(request.app.state, "controllers", None)
     if runner is not None:
         runner.wake()
-
-
-@router.get("/jobs")
-def job_list(request: Request, viewer: CurrentViewer) -> Response:
-    return page(request, "jobs.html", viewer, jobs=jobs.list_jobs(viewer.ctx, viewer.principal))
-
-
-@router.get("/jobs/{ref}")
-def job_page(ref: str, request: Request, viewer: CurrentViewer) -> Response:
-    job = jobs.get_job(viewer.ctx, viewer.principal, ref)
-    why = jobs.why_job(viewer.ctx, viewer.principal, job.id)
-    members = sorted(job.members, key=lambda m: m.rank)
-    return page(request, "job.html", viewer, job=job, why=why, members=members)
 
 
 @router.get("/nodes")

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from gpucloud.console.views import free_capacity, money
-from gpucloud.console.web import ConsoleRoute, CurrentViewer, Form, Viewer, back, page
+from gpucloud.console.web import ConsoleRoute, CurrentViewer, Form, Viewer, back, iso, page
 from gpucloud.core.billing import UsageBy
 from gpucloud.core.errors import GpucloudError
 from gpucloud.core.models import PodCreateRequest, PodOut
@@ -39,14 +39,26 @@ def _costs(viewer: Viewer) -> dict[str, str]:
     return {row.pod_id: money(row.cost) for row in usage.rows if row.pod_id}
 
 
+def _listed(viewer: Viewer) -> list[PodOut]:
+    """The project's own pods (a job's members are on its page)."""
+    return [p for p in pods.list_pods(viewer.ctx, viewer.principal) if p.job_id is None]
+
+
 @router.get("/pods")
 def pod_list(request: Request, viewer: CurrentViewer) -> Response:
     ctx, caller = viewer.ctx, viewer.principal
-    listed = [p for p in pods.list_pods(ctx, caller) if p.job_id is None]
+    listed = _listed(viewer)
     capacity = free_capacity(nodes.list_nodes(ctx), occupancy.gpu_occupancy(ctx, caller))
     return page(request, "pods.html", viewer, pods=listed, costs=_costs(viewer),
                 templates=templates.list_templates(ctx, caller), capacity=capacity,
                 max_gpus=max(capacity.values(), default=0))
+
+
+@router.get("/pods/_rows")
+def pod_rows(request: Request, viewer: CurrentViewer) -> Response:
+    """The list's rows alone: what the pods page fetches now and then while it is visible
+    (``_`` cannot start a pod's name, so this never shadows a pod)."""
+    return page(request, "pod_rows.html", viewer, pods=_listed(viewer), costs=_costs(viewer))
 
 
 def create_request(form: dict[str, str]) -> PodCreateRequest:
@@ -132,7 +144,7 @@ async def _stream(request: Request, viewer: Viewer, pod_id: str) -> AsyncIterato
         if pod.phase != phase:
             phase = pod.phase
             yield _event("phase", {"phase": pod.phase.value, "reason": pod.reason or "",
-                                   "node": pod.node or ""})
+                                   "node": pod.node or "", "started_at": iso(pod.started_at)})
         await asyncio.sleep(STREAM_POLL_SECONDS)
 
 

@@ -6,11 +6,11 @@ from fastapi import APIRouter, Response
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from gpucloud.console import auth, fleet, keys, pods
+from gpucloud.console import auth, catalog, fleet, jobs, keys, pods
 from gpucloud.console.web import HERE, ConsoleRoute
 
 router = APIRouter(route_class=ConsoleRoute, include_in_schema=False)
-for _module in (auth, pods, fleet, keys):
+for _module in (auth, pods, jobs, catalog, fleet, keys):
     router.include_router(_module.router)
 
 #: Every asset is served from the package (no CDN).

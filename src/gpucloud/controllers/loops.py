@@ -327,15 +327,18 @@ class ControllerRunner:
         self.autoscale.stop()
         self.leader.stop()
 
-    def run_once(self) -> None:
-        if self._is_leader():
-            self.deadlines.tick()
-            self.drains.tick()
-            self.credit.tick()
-            self.retention.tick()
-            self.autoscale.tick()
-            self.jobs.tick()
-            self.scheduling.tick()
+    def run_once(self) -> bool:
+        """One pass of every controller; True when the scheduler left pods it did not
+        get to (its pass was full), so the next pass should not wait."""
+        if not self._is_leader():
+            return False
+        self.deadlines.tick()
+        self.drains.tick()
+        self.credit.tick()
+        self.retention.tick()
+        self.autoscale.tick()
+        self.jobs.tick()
+        return self.scheduling.tick().considered >= scheduling.PASS_LIMIT
 
     def _is_leader(self) -> bool:
         """Whether this replica leads; the lease is renewed once half of it has run out
@@ -360,8 +363,9 @@ class ControllerRunner:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            backlog = False
             try:
-                self.run_once()
+                backlog = self.run_once()
             except leadership.LeaderLostError as error:
                 log.warning("controller pass stopped: %s", error)
             except OperationalError as error:
@@ -371,5 +375,6 @@ class ControllerRunner:
             # Passes run at most every MIN_GAP seconds, so a burst of creates is placed in
             # batches instead of one pass per request; idle, they run every interval.
             self._stop.wait(MIN_GAP_SECONDS)
-            self._wake.wait(self.interval)
+            if not backlog:  # a full pass left pending pods: go on at once
+                self._wake.wait(self.interval)
             self._wake.clear()

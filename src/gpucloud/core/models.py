@@ -230,7 +230,8 @@ class NodeRegisterResponse(BaseModel):
     gateway_public_keys: list[str] = Field(default_factory=list)
 
 
-GpuActionKind = Literal["reset", "diag"]
+#: ``mig-on`` / ``mig-off``: switch the GPU's MIG mode (``node mig-mode``), at drain time.
+GpuActionKind = Literal["reset", "diag", "mig-on", "mig-off"]
 
 
 class GpuMaintenance(BaseModel):
@@ -246,6 +247,9 @@ class GpuMaintenance(BaseModel):
     requested_at: datetime
     finished_at: datetime | None = None
     output: str | None = None
+    #: A MIG mode switch waiting for the pods on the GPU to end (none placed there
+    #: meanwhile) until this time; then it fails. None: the GPU was idle when asked.
+    drain_until: datetime | None = None
 
 
 class GpuAction(BaseModel):
@@ -273,6 +277,9 @@ class NodeGpuActionRequest(_Request):
     action: GpuActionKind
     gpu: int | None = Field(default=None, ge=0, le=1024)
     level: int = Field(default=1, ge=1, le=3)
+    #: ``mig-on`` / ``mig-off``: how long the switch may wait for the GPU's pods to end
+    #: (0: refuse with 409 while pods hold it).
+    wait_seconds: float = Field(default=0, ge=0, le=86_400)
 
 
 class GpuHealthIn(_Request):

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from gpucloud.core.models import MigDevice, NodeRegisterRequest
 from gpucloud.gpu.cdi import CdiError, CdiRegistry, ContainerEdits
 from gpucloud.gpu.domain import GpuDevice, NodeHardware
+from gpucloud.gpu.health import Runner, run_tool
 from gpucloud.scheduler.mig import MIG_PROFILES, MIG_SLOTS, MigGeometry, geometry
 
 MIG_SPEC_FILE = "gpucloud-mig.json"
@@ -62,6 +63,7 @@ class MigBackend(Protocol):
     def create(self, gpu: GpuDevice, profile: str, slot: int) -> MigInstance: ...
     def destroy(self, instance: MigInstance) -> None: ...
     def device_edits(self, instance: MigInstance) -> dict[str, Any]: ...
+    def set_mode(self, gpu: GpuDevice, on: bool) -> str: ...
 
 
 def _geometry(gpu: GpuDevice, profile: str) -> MigGeometry:
@@ -136,6 +138,29 @@ class SimulatedMig:
         self.calls.append(f"destroy {instance.uuid}")
         self._save([i for i in self._load() if i.uuid != instance.uuid])
 
+    @property
+    def modes_path(self) -> Path:
+        """The GPUs' MIG modes an admin switched (``node mig-mode``), by GPU index."""
+        return self.path.with_name("simulated-modes.json")
+
+    def modes(self) -> dict[int, bool]:
+        try:
+            return {int(k): bool(v) for k, v in json.loads(self.modes_path.read_text()).items()}
+        except FileNotFoundError:
+            return {}
+
+    def set_mode(self, gpu: GpuDevice, on: bool) -> str:
+        """Flip the simulated GPU's MIG mode (it keeps it across agent restarts, as the
+        hardware does); refused while it has MIG instances, as the driver refuses."""
+        self.calls.append(f"set_mode {gpu.index} {'on' if on else 'off'}")
+        if any(i.gpu_index == gpu.index for i in self._load()):
+            raise MigError(f"GPU {gpu.index} still has MIG instances; destroy them first")
+        modes = self.modes()
+        modes[gpu.index] = on
+        self.modes_path.parent.mkdir(parents=True, exist_ok=True)
+        self.modes_path.write_text(json.dumps({str(k): v for k, v in modes.items()}))
+        return f"simulated MIG mode {'on' if on else 'off'} on GPU {gpu.index}"
+
     def device_edits(self, instance: MigInstance) -> dict[str, Any]:
         return {"env": [*_visible_env(instance.uuid),
                         f"GPUCLOUD_SIM_MIG={instance.profile}@{instance.slot}"]}
@@ -171,9 +196,10 @@ class NvmlMig:
     kind = NVIDIA_MIG_KIND
 
     def __init__(self, nvml: Any, hardware: NodeHardware, *, minors: Path = MIG_MINORS,
-                 dev: Path = Path("/dev")) -> None:
+                 dev: Path = Path("/dev"), run: Runner = run_tool) -> None:
         self.nvml = nvml
         self.hardware = hardware
+        self.run = run  # nvidia-smi, for the reset a MIG mode switch may need
         self.minors_path = minors
         self.dev = dev
         nvml.nvmlInit()
@@ -276,6 +302,27 @@ class NvmlMig:
                  {"path": str(caps / f"nvidia-cap{minors[gi_key]}")},
                  {"path": str(caps / f"nvidia-cap{minors[ci_key]}")}]
         return {"env": _visible_env(instance.uuid), "deviceNodes": nodes}
+
+    def set_mode(self, gpu: GpuDevice, on: bool) -> str:
+        """``nvmlDeviceSetMigMode``; where the driver leaves the change pending (the GPU
+        needs a reset to apply it), ``nvidia-smi --gpu-reset`` applies it. The mode NVML
+        reads back afterwards must be the one asked for."""
+        nvml, handle = self.nvml, self._handle(gpu.index)
+        wanted = nvml.NVML_DEVICE_MIG_ENABLE if on else nvml.NVML_DEVICE_MIG_DISABLE
+        try:
+            nvml.nvmlDeviceSetMigMode(handle, wanted)
+            current, pending = nvml.nvmlDeviceGetMigMode(handle)
+        except nvml.NVMLError as error:
+            raise MigError(f"setting MIG mode on GPU {gpu.index}: {error}") from None
+        notes = [f"nvmlDeviceSetMigMode({'enable' if on else 'disable'})"]
+        if int(current) != int(wanted) and int(pending) == int(wanted):
+            status, output = self.run(["nvidia-smi", "--gpu-reset", "-i", str(gpu.index)])
+            notes.append(f"reset to apply it: {output.strip() or status}")
+            current, _ = nvml.nvmlDeviceGetMigMode(self._handle(gpu.index))
+        if int(current) != int(wanted):
+            raise MigError(f"GPU {gpu.index} MIG mode is still {int(current)} after "
+                           f"{'; '.join(notes)}")
+        return "; ".join(notes)
 
 
 # -- the agent's side ---------------------------------------------------------------------
@@ -422,6 +469,31 @@ class MigManager:
         return out
 
 
+    def set_mig_mode(self, index: int, on: bool) -> str:
+        """Switch GPU ``index``'s MIG mode (``node mig-mode``; the server only asks once no
+        pod holds the GPU) and follow it in the node's view of its hardware, so instances
+        can be made there (on) or are no longer expected (off). Returns what was done."""
+        with self.lock:
+            gpu = next((g for g in self.hardware.gpus if g.index == index), None)
+            if gpu is None:
+                raise MigError(f"GPU {index} is not on this node")
+            if not gpu.mig_capable:
+                raise MigError(f"GPU {index} ({gpu.model}) does not support MIG")
+            if any(r.get("gpu_index") == index for r in self._records().values()):
+                raise MigError(f"containers still hold MIG instances of GPU {index}")
+            output = self.backend.set_mode(gpu, on)
+            self._follow_modes({index: on})
+            self.write_spec()
+            return output
+
+    def _follow_modes(self, modes: dict[int, bool]) -> None:
+        gpus = tuple(g.model_copy(update={"mig_mode": modes[g.index]})
+                     if g.index in modes and g.mig_capable else g for g in self.hardware.gpus)
+        self.hardware = self.hardware.model_copy(update={"gpus": gpus})
+        if hasattr(self.backend, "hardware"):
+            self.backend.hardware = self.hardware
+
+
 def mig_manager(hardware: NodeHardware, state_dir: Path, nvml: Any | None = None,
                 cdi_dir: Path = Path("/var/run/cdi")) -> MigManager | None:
     """The node's MIG manager: simulated GPUs keep their state under ``state_dir``; real
@@ -429,8 +501,10 @@ def mig_manager(hardware: NodeHardware, state_dir: Path, nvml: Any | None = None
     if not any(gpu.mig_capable for gpu in hardware.gpus):
         return None
     if hardware.provider == "simulated":
-        backend: MigBackend = SimulatedMig(hardware, state_dir / "mig" / "simulated-gpus.json")
-        return MigManager(backend, hardware, state_dir, state_dir / "cdi")
+        simulated = SimulatedMig(hardware, state_dir / "mig" / "simulated-gpus.json")
+        manager = MigManager(simulated, hardware, state_dir, state_dir / "cdi")
+        manager._follow_modes(simulated.modes())  # the modes an admin switched before
+        return manager
     if hardware.provider == "nvml" and nvml is not None:
         return MigManager(NvmlMig(nvml, hardware), hardware, state_dir, cdi_dir)
     return None
@@ -442,4 +516,7 @@ def with_mig_layout(body: NodeRegisterRequest, manager: MigManager) -> None:
     fixed-mode node advertises)."""
     layout = manager.inventory()
     for gpu in body.gpus:
+        device = manager.hardware.gpu_by_uuid(gpu.uuid)
+        if device is not None:
+            gpu.mig_mode = device.mig_mode  # as switched by ``node mig-mode``
         gpu.mig_instances = [MigDevice.model_validate(item) for item in layout.get(gpu.uuid, [])]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from gpucloud.core.jobs import Topology
 from gpucloud.scheduler.gang import LEVELS, place_gang
+from gpucloud.scheduler.mig import geometry
 from gpucloud.scheduler.quota import Ledger
 from gpucloud.scheduler.scheduler import Scheduler
 from gpucloud.scheduler.types import NodeState, Placement, PodRequest
@@ -47,6 +48,10 @@ class Member:
     gpu_milli: Mapping[int, int]
     cpu_milli: int = 0
     memory_bytes: int = 0
+    #: A MIG pod's instance (GPU index -> (profile, start slot)) and a share's device
+    #: memory limit: what its preemption frees besides the milli.
+    mig: Mapping[int, tuple[str, int]] = field(default_factory=dict)
+    gpu_memory_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,9 @@ def _fits(scheduler: Scheduler, node: NodeState, request: PodRequest) -> bool:
 def _without(node: NodeState, victims: Sequence[Running]) -> NodeState:
     """``node`` with the victims' members on it gone."""
     freed: dict[int, int] = defaultdict(int)
+    slices: dict[int, set[int]] = defaultdict(set)
+    gpu_memory: dict[int, int] = defaultdict(int)
+    models = {g.index: g.model for g in node.gpus}
     cpu = memory = 0
     for unit in victims:
         for member in unit.members:
@@ -228,12 +236,23 @@ def _without(node: NodeState, victims: Sequence[Running]) -> NodeState:
                 continue
             for index, milli in member.gpu_milli.items():
                 freed[index] += milli
+                gpu_memory[index] += member.gpu_memory_mib
+            for index, (profile, slot) in member.mig.items():
+                slices[index] |= _slices(models.get(index, ""), profile, slot)
             cpu += member.cpu_milli
             memory += member.memory_bytes
-    gpus = tuple(replace(g, used_milli=max(0, g.used_milli - freed[g.index])) if freed[g.index]
-                 else g for g in node.gpus)
+    gpus = tuple(replace(g, used_milli=max(0, g.used_milli - freed[g.index]),
+                         mig_used=tuple(s for s in g.mig_used if s not in slices[g.index]),
+                         memory_used_mib=max(0, g.memory_used_mib - gpu_memory[g.index]))
+                 if freed[g.index] or slices[g.index] else g for g in node.gpus)
     return replace(node, gpus=gpus, cpu_used_milli=max(0, node.cpu_used_milli - cpu),
                    memory_used_bytes=max(0, node.memory_used_bytes - memory))
+
+
+def _slices(model: str, profile: str, slot: int) -> set[int]:
+    """The memory slices a MIG instance of ``profile`` at ``slot`` takes on ``model``."""
+    geom = geometry(model, profile)
+    return set(range(slot, slot + geom.size)) if geom is not None else set()
 
 
 def without_victims(nodes: Sequence[NodeState],
@@ -316,11 +335,19 @@ def with_placements(nodes: Sequence[NodeState], requests: Sequence[PodRequest],
 
 def _with(node: NodeState, taken: list[tuple[PodRequest, Placement]]) -> NodeState:
     used: dict[int, int] = defaultdict(int)
-    for _, placement in taken:
+    slices: dict[int, set[int]] = defaultdict(set)
+    gpu_memory: dict[int, int] = defaultdict(int)
+    models = {g.index: g.model for g in node.gpus}
+    for request, placement in taken:
         for index, milli in placement.gpu_milli.items():
             used[index] += milli
-    gpus = tuple(replace(g, used_milli=min(1000, g.used_milli + used[g.index]))
-                 if used[g.index] else g for g in node.gpus)
+            gpu_memory[index] += request.gpu_memory_mib
+        for index, (profile, slot) in placement.mig.items():
+            slices[index] |= _slices(models.get(index, ""), profile, slot)
+    gpus = tuple(replace(g, used_milli=min(1000, g.used_milli + used[g.index]),
+                         mig_used=tuple(sorted(set(g.mig_used) | slices[g.index])),
+                         memory_used_mib=g.memory_used_mib + gpu_memory[g.index])
+                 if used[g.index] or slices[g.index] else g for g in node.gpus)
     return replace(node, gpus=gpus,
                    cpu_used_milli=node.cpu_used_milli + sum(r.cpu_milli for r, _ in taken),
                    memory_used_bytes=node.memory_used_bytes

@@ -79,7 +79,8 @@ def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
                               fencing_token=node.fencing_token, pods=pods,
                               volume_pods=_volume_pods(session, node_id),
                               volume_exports=migration.exports(session, node_id),
-                              gpu_actions=gpu_maintenance.pending(node))
+                              gpu_actions=gpu_maintenance.pending(
+                                  node, gpu_maintenance.busy_gpus(session, node_id)))
 
 
 def _add_volumes(ctx: ServiceContext, session: Session, node: NodeModel, pod: PodModel,

@@ -223,7 +223,9 @@ def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None,
         new_grant = fencing_token is None or lapsed
         if health is not None:
             _apply_health(node, health)
-            if gpu_maintenance.apply_results(node, health.gpu_actions, now):
+            expired = gpu_maintenance.expire(  # MIG switches that waited in vain
+                node, now, gpu_maintenance.busy_gpus(session, node.id))
+            if gpu_maintenance.apply_results(node, health.gpu_actions, now) or expired:
                 node.version += 1
                 node.assignments_revision += 1  # the agent drops the answered actions
                 _announce(session, node.id)
@@ -347,22 +349,12 @@ def request_gpu_action(ctx: ServiceContext, caller: Principal, ref: str,
     with ctx.db.transaction() as session:
         node = _find_node(session, ref)
         gpu_maintenance.request(node, body.action, body.gpu, body.level, ctx.clock.now(),
-                                _pods_by_gpu(session, node.id))
+                                gpu_maintenance.busy_gpus(session, node.id),
+                                body.wait_seconds)
         node.version += 1
         node.assignments_revision += 1
         _announce(session, node.id)
         return node_out(session, node, _allocated_gpus(session).get(node.id, 0))
-
-
-def _pods_by_gpu(session: Session, node_id: str) -> dict[int, list[str]]:
-    """Names of the active pods holding each GPU index of the node."""
-    held: dict[int, list[str]] = {}
-    for name, gpu_milli in session.execute(
-            select(PodModel.name, PodModel.gpu_milli).where(
-                PodModel.node_id == node_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES))):
-        for index in gpu_milli or {}:
-            held.setdefault(int(index), []).append(name)
-    return held
 
 
 def lease_health(ctx: ServiceContext) -> tuple[int, int]:

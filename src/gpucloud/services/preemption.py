@@ -72,16 +72,20 @@ def running_work(ctx: ServiceContext, node_names: dict[str, str]) -> RunningWork
         rows = session.execute(
             select(PodModel.id, PodModel.version, PodModel.project_id, PodModel.priority,
                    PodModel.job_id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,
-                   PodModel.memory_bytes, PodModel.started_at, PodModel.updated_at)
+                   PodModel.memory_bytes, PodModel.started_at, PodModel.updated_at,
+                   PodModel.mig_profile, PodModel.mig_slot, PodModel.gpu_memory_bytes)
             .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None),
                    PodModel.desired_state == "running", PodModel.deleted_at.is_(None))
         ).all()
     versions: dict[str, int] = {}
     grouped: dict[str, list[tuple[Member, int, str, datetime]]] = defaultdict(list)
     for (pod_id, version, project, priority, job_id, node_id, gpu_milli, cpu, memory,
-         started, updated) in rows:
-        member = Member(node_names.get(node_id or "", ""),
-                        {int(i): m for i, m in gpu_milli.items()}, cpu, memory)
+         started, updated, mig_profile, mig_slot, gpu_memory) in rows:
+        milli = {int(i): m for i, m in gpu_milli.items()}
+        mig = ({i: (mig_profile, mig_slot) for i in milli}
+               if mig_profile is not None and mig_slot is not None else {})
+        member = Member(node_names.get(node_id or "", ""), milli, cpu, memory, mig,
+                        _mib(gpu_memory))
         grouped[job_id or pod_id].append((member, priority, project, started or updated))
         if job_id is None:
             versions[pod_id] = version
@@ -275,10 +279,18 @@ def preempt_for_pods(ctx: ServiceContext, scheduler: Scheduler,
 
 
 def _pod_request(pod: PodModel) -> PodRequest:
-    whole = int(pod.gpus) if pod.gpus >= 1 else 0
+    """What the preemptor asks for, as the scheduling pass maps it: a MIG profile is a
+    MIG slice (not whole GPUs), a share's memory limit must be left on its GPU."""
+    whole = int(pod.gpus) if pod.gpus >= 1 and pod.mig_profile is None else 0
     share = round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0
     return PodRequest(key=pod.id, gpus=whole, gpu_milli=share, gpu_model=pod.gpu_type,
+                      mig_profile=pod.mig_profile, gpu_memory_mib=_mib(pod.gpu_memory_bytes),
                       cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes)
+
+
+def _mib(memory: int | None) -> int:
+    """A device memory limit in whole MiB, rounded up (as the scheduling pass counts it)."""
+    return -(-(memory or 0) // (1024 * 1024))
 
 
 def _apply_for_pod(ctx: ServiceContext, pod: PodModel, plan: PreemptionPlan,
@@ -299,6 +311,9 @@ def _apply_for_pod(ctx: ServiceContext, pod: PodModel, plan: PreemptionPlan,
         placement = plan.placements[0]
         reserve(session, Reservation({pod.id: (cluster.ids[placement.node], _milli(placement))}),
                 reservation_until(ctx, now))
+        if placement.mig:  # the slot the victims free: the bind onto the reservation uses it
+            session.execute(update(PodModel).where(PodModel.id == pod.id).values(
+                mig_slot=next(slot for _, slot in placement.mig.values())))
         record_event(session, pod.id, now, PREEMPTING, summary)
     return True
 

@@ -33,7 +33,7 @@ from gpucloud.scheduler import (
 from gpucloud.scheduler.preemption import with_placements
 from gpucloud.scheduler.quota import Ledger, drf_capacity, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI, NodeLoad
-from gpucloud.services import backfill, loadaware, migration, quotas, wakeups
+from gpucloud.services import backfill, gpu_maintenance, loadaware, migration, quotas, wakeups
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, record_events
 from gpucloud.services.gpu_shares import mig_facts, share_memory_held
@@ -104,6 +104,8 @@ class LeasedPod:
     mig_profile: str | None = None
     #: ``--gpu-memory``: a share's device memory limit (the GPU must have it left).
     gpu_memory_bytes: int | None = None
+    #: A MIG preemptor's slot on its reservation (services/preemption), else None.
+    mig_slot: int | None = None
 
     def reservation(self, now: datetime) -> tuple[str, dict[str, int]] | None:
         """The node id and GPUs held for this pod by a preemption, while they are."""
@@ -125,7 +127,8 @@ _LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_ty
                    PodModel.checkpoint_mode,
                    select(NodeModel.name).where(NodeModel.id == PodModel.volume_node_id)
                    .scalar_subquery().label("volume_node"), _AVOID_NODE,
-                   PodModel.avoid_until, PodModel.mig_profile, PodModel.gpu_memory_bytes)
+                   PodModel.avoid_until, PodModel.mig_profile, PodModel.gpu_memory_bytes,
+                   PodModel.mig_slot)
 
 
 def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
@@ -219,6 +222,7 @@ def node_state(node: NodeModel, gpu_used: dict[int, int], cpu_used: int,
                  memory_used_mib=memory.get(g["index"], 0), **mig_facts(node, g))
         for g in node.gpus
         if g.get("healthy", True)  # a GPU its health checks failed is out (gpu/health)
+        and not gpu_maintenance.blocks_scheduling(g)  # a MIG mode switch drains it
     )
     return NodeState(name=node.name, cpu_milli=node.cpu_milli, memory_bytes=node.memory_bytes,
                      gpus=gpus, labels=mig_labels(node, criu_labels(node)),
@@ -340,7 +344,9 @@ def _bind_reserved(ctx: ServiceContext, pod: LeasedPod, token: str, snap: Snapsh
         result.waiting.append(pod.id)
         return True
     node = next(n for n in snap.by_name.values() if n.id == node_id)
-    placement = Placement(node.name, {int(i): m for i, m in gpu_milli.items()})
+    mig = ({int(i): (pod.mig_profile, pod.mig_slot) for i in gpu_milli}
+           if pod.mig_profile is not None and pod.mig_slot is not None else {})
+    placement = Placement(node.name, {int(i): m for i, m in gpu_milli.items()}, mig)
     binds.append((pod, Decision(pod.id, placement, None)))
     return True
 

@@ -66,7 +66,10 @@ def uncordon(ref: str, ctx: Ctx, caller: Admin, request: Request) -> NodeOut:
 def gpu_action(ref: str, body: NodeGpuActionRequest, ctx: Ctx, caller: Admin) -> NodeOut:
     """Reset a GPU and run a diag, or run a diag (one GPU or all), through the node's
     agent; each GPU's ``maintenance`` shows the outcome once the agent reports it (a GPU
-    that passes is back in service). A reset needs an idle GPU: 409 while pods hold it."""
+    that passes is back in service). A reset needs an idle GPU: 409 while pods hold it.
+    ``mig-on`` / ``mig-off`` switch the GPU's MIG mode at drain time: the GPU leaves
+    scheduling at once, the agent switches once no pod holds it (409 if pods do and
+    ``wait_seconds`` is 0; failed if they still do after it), and its ``mig_mode`` follows."""
     return nodes.request_gpu_action(ctx, caller, ref, body)
 
 

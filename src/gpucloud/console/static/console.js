@@ -1,5 +1,6 @@
 // gpucloud console: progressive enhancement only (every page works without it).
-// Times in the viewer's zone, confirmations, and a pod's live logs over Server-Sent Events.
+// Times in the viewer's zone, confirmations, a pod's live logs over Server-Sent Events, and
+// the pods list's rows fetched again every few seconds while the page is visible.
 "use strict";
 
 function formatTimes(root) {
@@ -28,6 +29,17 @@ function confirmForms() {
   });
 }
 
+// The pod started after the page was drawn: fill its "Started" field.
+function showStarted(iso) {
+  const started = document.getElementById("started");
+  if (!started || !iso || started.querySelector("time")) return;
+  const time = document.createElement("time");
+  time.setAttribute("datetime", iso);
+  time.textContent = iso;
+  started.replaceChildren(time);
+  formatTimes(started);
+}
+
 function followLogs() {
   const logs = document.getElementById("logs");
   if (!logs || !logs.dataset.stream || !window.EventSource) return;
@@ -54,6 +66,7 @@ function followLogs() {
     }
     const node = document.getElementById("node");
     if (node && data.node) node.textContent = data.node;
+    showStarted(data.started_at);
     // Ended since the page was drawn: draw it again (actions, events and cost change).
     if (TERMINAL.includes(data.phase) && !TERMINAL.includes(initial)) {
       source.close();
@@ -68,8 +81,35 @@ function followLogs() {
   source.addEventListener("error", () => { if (live) live.hidden = true; });
 }
 
+const REFRESH_MS = 3000;
+
+function refreshRows() {
+  const rows = document.querySelector("tbody[data-refresh]");
+  if (!rows) return;
+  let busy = false;
+  async function fetchRows() {
+    if (busy || document.visibilityState !== "visible") return;
+    busy = true;
+    try {
+      // A signed-out session is a redirect to the sign-in page: keep the rows as they are.
+      const response = await fetch(rows.dataset.refresh, { redirect: "manual", credentials: "same-origin" });
+      if (response.ok) {
+        rows.innerHTML = await response.text();
+        formatTimes(rows);
+      }
+    } catch (error) {
+      // The server is away for a moment: try again on the next tick.
+    } finally {
+      busy = false;
+    }
+  }
+  window.setInterval(fetchRows, REFRESH_MS);
+  document.addEventListener("visibilitychange", fetchRows);
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   formatTimes(document);
   confirmForms();
   followLogs();
+  refreshRows();
 });
