@@ -49,7 +49,14 @@ async def get_principal(
     ctx: Annotated[ServiceContext, Depends(get_ctx)],
     credentials: Annotated[Credentials, Depends(API_KEY)],
 ) -> Principal:
-    key = _bearer(credentials)
+    return await authenticate_key(request, ctx, _bearer(credentials))
+
+
+async def authenticate_key(request: Request, ctx: ServiceContext, key: str | None
+                           ) -> Principal:
+    """The caller of a project's API key, however it came (a Bearer header here; RunPod's
+    bare header or ``?api_key=``; the console's session): the failure guard of this
+    request's buckets, then the principal cache, then the database on a worker thread."""
     keys = _limit_keys(request, key)
     auth_guard.check(ctx, keys)  # even a cached key: a blocked guesser learns nothing
     cached = projects.cached_principal(ctx, key)

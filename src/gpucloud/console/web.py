@@ -10,7 +10,6 @@ import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qsl
@@ -20,9 +19,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from gpucloud import __version__
+from gpucloud.api import deps
 from gpucloud.api.errors import status_of
 from gpucloud.console.session import (
     COOKIE_PATH,
@@ -33,7 +32,6 @@ from gpucloud.console.session import (
     load_secret,
 )
 from gpucloud.core.errors import GpucloudError
-from gpucloud.services import auth_guard, projects, ratelimit
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.projects import Principal
 
@@ -86,21 +84,10 @@ def keeper(request: Request) -> SessionKeeper:
     return found
 
 
-def _limit_keys(request: Request, key: str) -> list[str]:
-    return ratelimit.api_keys(request.client.host if request.client else None, key)
-
-
 async def authenticate_key(request: Request, key: str) -> Principal:
-    """A key, checked as ``api.deps.get_principal`` checks a Bearer key (same rate limits,
-    cache and failure counting)."""
-    ctx: ServiceContext = request.app.state.ctx
-    keys = _limit_keys(request, key)
-    auth_guard.check(ctx, keys)
-    cached = projects.cached_principal(ctx, key)
-    if cached is not None:
-        return cached
-    return await run_in_threadpool(auth_guard.authenticated, ctx, keys,
-                                   partial(projects.authenticate, ctx, key))
+    """A key, checked as a Bearer key of the API is (``api.deps.authenticate_key``: the
+    same rate limits, cache and failure counting)."""
+    return await deps.authenticate_key(request, request.app.state.ctx, key)
 
 
 async def get_viewer(request: Request) -> Viewer:

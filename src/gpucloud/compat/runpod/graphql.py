@@ -20,8 +20,9 @@ from graphql import GraphQLError, graphql_sync
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from gpucloud.api.deps import authenticate_key
 from gpucloud.compat.runpod import graphql_resolvers, graphql_schema
-from gpucloud.compat.runpod.rest_common import authenticate, key_of, wake
+from gpucloud.compat.runpod.rest_common import key_of, wake
 from gpucloud.core.errors import GpucloudError, Unauthorized
 from gpucloud.core.models import ErrorOut
 from gpucloud.services.context import ServiceContext
@@ -113,7 +114,7 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 async def graphql_endpoint(request: Request) -> JSONResponse:
     ctx: ServiceContext = request.app.state.ctx
     try:
-        caller = await authenticate(request, ctx, api_key(request))
+        caller = await authenticate_key(request, ctx, api_key(request))
     except Unauthorized as error:
         return JSONResponse(_errors(error.message), status_code=401)
     try:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from functools import partial
 from http import HTTPStatus
 from typing import Annotated, Any
 
@@ -26,16 +25,14 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import APIKeyHeader, APIKeyQuery
 from sqlalchemy import select
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpucloud.api.deps import Ctx
+from gpucloud.api.deps import Ctx, authenticate_key
 from gpucloud.api.errors import describe_validation, status_of
 from gpucloud.compat.runpod import mapping
 from gpucloud.core.errors import GpucloudError, InvalidInput
 from gpucloud.core.models import PodOut
 from gpucloud.db.models import NodeModel
-from gpucloud.services import auth_guard, projects, ratelimit
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.prices import PriceBook, load_book
 from gpucloud.services.projects import Principal
@@ -64,19 +61,7 @@ async def runpod_principal(
     header: Annotated[str | None, Depends(RUNPOD_KEY_HEADER)],
     query: Annotated[str | None, Depends(RUNPOD_KEY_QUERY)],
 ) -> Principal:
-    return await authenticate(request, ctx, key_of(header, query))
-
-
-async def authenticate(request: Request, ctx: ServiceContext, key: str | None) -> Principal:
-    """The caller of ``key``, through the same guard as the REST API (failed keys are
-    rate-limited) and its principal cache; GraphQL and both REST versions use it."""
-    limit_keys = ratelimit.api_keys(request.client.host if request.client else None, key)
-    auth_guard.check(ctx, limit_keys)
-    cached = projects.cached_principal(ctx, key)
-    if cached is not None:
-        return cached
-    return await run_in_threadpool(auth_guard.authenticated, ctx, limit_keys,
-                                   partial(projects.authenticate, ctx, key))
+    return await authenticate_key(request, ctx, key_of(header, query))
 
 
 RunpodCaller = Annotated[Principal, Depends(runpod_principal)]
