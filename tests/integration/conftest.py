@@ -80,6 +80,21 @@ def agent_headers(registration: dict[str, Any]) -> dict[str, str]:
     return {"Authorization": f"Bearer {registration['node_token']}"}
 
 
+def renew_lease(api: TestClient, node: dict[str, Any], **body: Any) -> None:
+    """One lease renewal as the node's agent sends it (``body``: health, action results)."""
+    response = api.post("/v1/agent/lease", headers=agent_headers(node),
+                        json={"fencing_token": node["fencing_token"], **body})
+    assert response.status_code == 200, response.text
+
+
+def gpu_actions(api: TestClient, node: dict[str, Any]) -> list[dict[str, Any]]:
+    """The GPU actions (reset, diag, MIG mode) the node's assignments carry now."""
+    response = api.get("/v1/agent/assignments", headers=agent_headers(node))
+    assert response.status_code == 200, response.text
+    actions: list[dict[str, Any]] = response.json()["gpu_actions"]
+    return actions
+
+
 class ThroughTestClient(httpx.BaseTransport):
     """Our httpx clients (the agent's, the SDK's) sending through a TestClient.
 

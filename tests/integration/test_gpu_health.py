@@ -8,13 +8,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from tests.integration.conftest import agent_headers, h100_gpus
-
-
-def _lease(api: TestClient, node: dict[str, Any], **health: Any) -> None:
-    response = api.post("/v1/agent/lease", headers=agent_headers(node),
-                        json={"fencing_token": node["fencing_token"], **health})
-    assert response.status_code == 200, response.text
+from tests.integration.conftest import h100_gpus, renew_lease
 
 
 def _health(gpus: list[dict[str, Any]], bad: int | None) -> list[dict[str, Any]]:
@@ -28,7 +22,7 @@ def test_a_failed_gpu_is_out_of_scheduling_and_the_node_serves_the_others(
 ) -> None:
     gpus = h100_gpus(2)
     node = register_node("one", gpus=gpus)
-    _lease(api, node, gpu_health=_health(gpus, 0))
+    renew_lease(api, node, gpu_health=_health(gpus, 0))
     shown = api.get("/v1/nodes/one").json()
     assert [g["healthy"] for g in shown["gpus"]] == [False, True]
     assert not shown["cordoned"]
@@ -44,11 +38,11 @@ def test_a_node_fault_cordons_with_the_reason_and_clears_when_checks_pass(
     api: TestClient, register_node: Callable[..., dict[str, Any]]
 ) -> None:
     node = register_node("two", gpus=h100_gpus(1))
-    _lease(api, node, node_fault="GPU0: XID 79 (node)")
+    renew_lease(api, node, node_fault="GPU0: XID 79 (node)")
     shown = api.get("/v1/nodes/two").json()
     assert shown["cordoned"] and shown["cordon_reason"] == "GPU0: XID 79 (node)"
-    _lease(api, node, node_fault=None, auto_uncordon=False)
+    renew_lease(api, node, node_fault=None, auto_uncordon=False)
     assert api.get("/v1/nodes/two").json()["cordoned"]
-    _lease(api, node, node_fault=None)
+    renew_lease(api, node, node_fault=None)
     shown = api.get("/v1/nodes/two").json()
     assert not shown["cordoned"] and shown["cordon_reason"] is None

@@ -10,27 +10,14 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from tests.integration.conftest import agent_headers, h100_gpus
+from tests.integration.conftest import gpu_actions, h100_gpus, renew_lease
 
 Tick = Callable[[], Any]
 
 
-def _lease(api: TestClient, node: dict[str, Any], **body: Any) -> None:
-    response = api.post("/v1/agent/lease", headers=agent_headers(node),
-                        json={"fencing_token": node["fencing_token"], **body})
-    assert response.status_code == 200, response.text
-
-
-def _actions(api: TestClient, node: dict[str, Any]) -> list[dict[str, Any]]:
-    response = api.get("/v1/agent/assignments", headers=agent_headers(node))
-    assert response.status_code == 200, response.text
-    actions: list[dict[str, Any]] = response.json()["gpu_actions"]
-    return actions
-
-
 def _sick(api: TestClient, node: dict[str, Any], gpus: list[dict[str, Any]],
           bad: int) -> None:
-    _lease(api, node, gpu_health=[{"uuid": g["uuid"], "healthy": i != bad,
+    renew_lease(api, node, gpu_health=[{"uuid": g["uuid"], "healthy": i != bad,
                                    "reason": "GPU1: XID 48 (gpu-reset)" if i == bad else None}
                                   for i, g in enumerate(gpus)])
 
@@ -45,14 +32,14 @@ def test_reset_passes_and_the_gpu_is_back_in_service(
     assert asked.status_code == 200, asked.text
     maintenance = asked.json()["gpus"][1]["maintenance"]
     assert maintenance["state"] == "requested" and asked.json()["gpus"][0]["maintenance"] is None
-    [action] = _actions(api, node)
+    [action] = gpu_actions(api, node)
     assert action == {"id": maintenance["id"], "gpu_uuid": gpus[1]["uuid"], "gpu_index": 1,
                       "action": "reset", "level": 2}
-    _lease(api, node, gpu_actions=[{"id": action["id"], "passed": True, "output": "Pass"}])
+    renew_lease(api, node, gpu_actions=[{"id": action["id"], "passed": True, "output": "Pass"}])
     shown = api.get("/v1/nodes/maint").json()["gpus"][1]
     assert shown["healthy"] and shown["maintenance"]["state"] == "passed"
-    assert shown["maintenance"]["output"] == "Pass" and _actions(api, node) == []
-    _lease(api, node, gpu_actions=[{"id": action["id"], "passed": False}])  # a stale repeat
+    assert shown["maintenance"]["output"] == "Pass" and gpu_actions(api, node) == []
+    renew_lease(api, node, gpu_actions=[{"id": action["id"], "passed": False}])  # a stale repeat
     assert api.get("/v1/nodes/maint").json()["gpus"][1]["maintenance"]["state"] == "passed"
     for name in ("a", "b"):
         api.post("/v1/pods", json={"name": name, "image": "busybox", "gpus": 1})
@@ -66,9 +53,9 @@ def test_a_failed_diag_keeps_the_gpu_out_and_diag_of_all_gpus(
     node = register_node("diag", gpus=gpus)
     _sick(api, node, gpus, 1)
     assert api.post("/v1/nodes/diag/gpu-actions", json={"action": "diag"}).status_code == 200
-    actions = _actions(api, node)
+    actions = gpu_actions(api, node)
     assert [a["gpu_index"] for a in actions] == [0, 1]
-    _lease(api, node, gpu_actions=[{"id": actions[0]["id"], "passed": True},
+    renew_lease(api, node, gpu_actions=[{"id": actions[0]["id"], "passed": True},
                                    {"id": actions[1]["id"], "passed": False,
                                     "output": "GPU Memory: Fail"}])
     shown = api.get("/v1/nodes/diag").json()["gpus"]

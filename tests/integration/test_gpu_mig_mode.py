@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from gpucloud.core.clock import ManualClock
-from tests.integration.conftest import agent_headers, h100_gpus
+from tests.integration.conftest import agent_headers, gpu_actions, h100_gpus, renew_lease
 
 Tick = Callable[[], Any]
 
@@ -21,19 +21,6 @@ def _mig_gpus(count: int, *, on: bool = False) -> list[dict[str, Any]]:
     for gpu in gpus:
         gpu.update(mig_capable=True, mig_mode=on)
     return gpus
-
-
-def _lease(api: TestClient, node: dict[str, Any], **body: Any) -> None:
-    response = api.post("/v1/agent/lease", headers=agent_headers(node),
-                        json={"fencing_token": node["fencing_token"], **body})
-    assert response.status_code == 200, response.text
-
-
-def _actions(api: TestClient, node: dict[str, Any]) -> list[dict[str, Any]]:
-    response = api.get("/v1/agent/assignments", headers=agent_headers(node))
-    assert response.status_code == 200, response.text
-    actions: list[dict[str, Any]] = response.json()["gpu_actions"]
-    return actions
 
 
 def _pod(api: TestClient, name: str, **spec: Any) -> None:
@@ -65,13 +52,13 @@ def test_mig_on_takes_the_gpu_out_then_placement_follows_the_new_mode(
     _pod(api, "whole", gpus=1)  # the GPU is out of scheduling while it switches
     schedule()
     assert _phase(api, "whole") == "Pending"
-    [action] = _actions(api, node)
+    [action] = gpu_actions(api, node)
     assert action["action"] == "mig-on" and action["gpu_uuid"] == gpus[0]["uuid"]
-    _lease(api, node, gpu_actions=[{"id": action["id"], "passed": True,
+    renew_lease(api, node, gpu_actions=[{"id": action["id"], "passed": True,
                                     "output": "simulated MIG mode on on GPU 0"}])
     shown = api.get("/v1/nodes/sw").json()["gpus"][0]
     assert shown["mig_mode"] is True and shown["maintenance"]["state"] == "passed"
-    assert _actions(api, node) == []
+    assert gpu_actions(api, node) == []
     _pod(api, "slice", mig="1g.10gb")
     schedule()
     assert _phase(api, "slice") == "Scheduled"  # MIG mode on: MIG pods only
@@ -83,8 +70,8 @@ def test_a_failed_switch_keeps_the_mode_and_puts_the_gpu_back(
     node = register_node("nope", gpus=_mig_gpus(1, on=True))
     assert api.post("/v1/nodes/nope/gpu-actions",
                     json={"action": "mig-off", "gpu": 0}).status_code == 200
-    [action] = _actions(api, node)
-    _lease(api, node, gpu_actions=[{"id": action["id"], "passed": False,
+    [action] = gpu_actions(api, node)
+    renew_lease(api, node, gpu_actions=[{"id": action["id"], "passed": False,
                                     "output": "GPU 0 still has MIG instances"}])
     shown = api.get("/v1/nodes/nope").json()["gpus"][0]
     assert shown["mig_mode"] is True and shown["maintenance"]["state"] == "failed"
@@ -108,15 +95,15 @@ def test_a_busy_gpu_refuses_or_drains_first(
     waiting = api.post("/v1/nodes/busy/gpu-actions",
                        json={"action": "mig-on", "gpu": index, "wait_seconds": 60})
     assert waiting.status_code == 200, waiting.text
-    assert _actions(api, node) == []  # not handed to the agent while the pod holds the GPU
+    assert gpu_actions(api, node) == []  # not handed to the agent while the pod holds the GPU
     _pod(api, "second", gpus=1)
     _pod(api, "third", gpus=1)
     schedule()  # the other GPU takes one; nothing new on the draining one
     assert sorted(_phase(api, n) for n in ("second", "third")) == ["Pending", "Scheduled"]
     assert api.delete("/v1/pods/holder").status_code in (200, 202, 204)
-    assert _actions(api, node) == []  # still stopping: the pod holds the GPU
+    assert gpu_actions(api, node) == []  # still stopping: the pod holds the GPU
     _stopped(api, node, assignment)
-    [action] = _actions(api, node)
+    [action] = gpu_actions(api, node)
     assert action["gpu_index"] == index and action["action"] == "mig-on"
 
     other = 1 - index
@@ -124,7 +111,7 @@ def test_a_busy_gpu_refuses_or_drains_first(
                     json={"action": "mig-on", "gpu": other, "wait_seconds": 30}
                     ).status_code == 200
     clock.advance(31)
-    _lease(api, node, gpu_health=[])
+    renew_lease(api, node, gpu_health=[])
     failed = api.get("/v1/nodes/busy").json()["gpus"][other]["maintenance"]
     assert failed["state"] == "failed" and "pods still hold the GPU" in failed["output"]
 
