@@ -199,3 +199,14 @@ def _wait_healthy(url: str, process: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             continue
     raise AssertionError("the server never became healthy")
+
+
+def test_server_refuses_a_bad_setting_in_one_line(cli: Cli, monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    monkeypatch.setenv("GPUCLOUD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("GPUCLOUD_WEBHOOK_ALLOW", "127.0.0.1/32,ten")
+    code, out, err = cli("server", "--port", str(free_port()))
+    assert code == 1 and out == ""
+    assert err.strip() == ("error: GPUCLOUD_WEBHOOK_ALLOW: 'ten' is not an IP network "
+                           "(e.g. 10.0.0.0/8)")
+    assert not (tmp_path / "home").exists()  # nothing written

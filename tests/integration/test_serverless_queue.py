@@ -5,6 +5,7 @@ chunks, queue stats, and webhooks POSTed to a local HTTP server with retries."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from sqlalchemy import select, update
 
 from gpucloud.core.clock import ManualClock
+from gpucloud.core.egress import EgressPolicy, parse_networks
 from gpucloud.core.errors import InvalidInput, NotFound
 from gpucloud.core.models import PodCreateRequest
 from gpucloud.core.serverless import EndpointCreateRequest
@@ -251,10 +253,12 @@ def test_submit_refuses_bad_bodies(app_ctx: ServiceContext, admin: Principal, en
 class _Hook(BaseHTTPRequestHandler):
     answers: list[int] = []
     bodies: list[dict[str, Any]] = []
+    hosts: list[str] = []
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).bodies.append(json.loads(body))
+        type(self).hosts.append(self.headers["Host"])
         self.send_response(type(self).answers.pop(0) if type(self).answers else 200)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -266,7 +270,7 @@ class _Hook(BaseHTTPRequestHandler):
 @pytest.fixture
 def hook_url() -> Iterator[str]:
     server = HTTPServer(("127.0.0.1", 0), _Hook)
-    _Hook.answers, _Hook.bodies = [500], []
+    _Hook.answers, _Hook.bodies, _Hook.hosts = [500], [], []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_port}/hook"
@@ -274,9 +278,19 @@ def hook_url() -> Iterator[str]:
     server.server_close()
 
 
-def test_webhooks_are_posted_with_retries(app_ctx: ServiceContext, clock: ManualClock,
-                                          admin: Principal, endpoint: str,
-                                          hook_url: str) -> None:
+@pytest.fixture
+def loopback_hooks(app_ctx: ServiceContext) -> ServiceContext:
+    """The context with loopback webhooks allowed (denied by default: the server's host)."""
+    egress = EgressPolicy(app_ctx.settings.webhook_egress.denied,
+                          allowed=parse_networks("127.0.0.0/8,::1", "allow"))
+    return dataclasses.replace(app_ctx, settings=dataclasses.replace(
+        app_ctx.settings, webhook_egress=egress))
+
+
+def test_webhooks_are_posted_with_retries(loopback_hooks: ServiceContext,
+                                          clock: ManualClock, admin: Principal,
+                                          endpoint: str, hook_url: str) -> None:
+    app_ctx = loopback_hooks
     (request_id,) = submit(app_ctx, admin, endpoint, 1, webhook=hook_url)
     (lost,) = submit(app_ctx, admin, endpoint, 1, webhook="http://127.0.0.1:9/none")
     w1 = worker(app_ctx, admin, endpoint, "w1")
@@ -293,3 +307,38 @@ def test_webhooks_are_posted_with_retries(app_ctx: ServiceContext, clock: Manual
     q.deliver_webhooks(app_ctx)
     assert (row(app_ctx, request_id).webhook_state, row(app_ctx, lost).webhook_state) == (
         "done", "failed")
+
+
+def test_webhooks_to_the_servers_own_host_are_refused(app_ctx: ServiceContext,
+                                                       admin: Principal, endpoint: str,
+                                                       hook_url: str) -> None:
+    """Loopback and the metadata address are denied by default: a literal at submit (422
+    naming the field), a name that resolves there when delivering (failed, not retried)."""
+    for url in (hook_url, "http://169.254.169.254/latest/meta-data/",
+                "http://[::ffff:127.0.0.1]:80/"):
+        with pytest.raises(InvalidInput) as refused:
+            submit(app_ctx, admin, endpoint, 1, webhook=url)
+        assert refused.value.field == "webhook"
+    by_name = hook_url.replace("127.0.0.1", "localhost")
+    (request_id,) = submit(app_ctx, admin, endpoint, 1, webhook=by_name)
+    w1 = worker(app_ctx, admin, endpoint, "w1")
+    q.take(app_ctx, endpoint, w1, 1)
+    q.finish(app_ctx, w1, request_id, {"output": "x"})
+    assert q.deliver_webhooks(app_ctx) == 0
+    assert row(app_ctx, request_id).webhook_state == "failed" and _Hook.bodies == []
+
+
+def test_a_webhook_is_sent_to_the_address_checked(loopback_hooks: ServiceContext,
+                                                  admin: Principal, endpoint: str,
+                                                  hook_url: str) -> None:
+    """Delivered to the resolved, checked address with the URL's own Host header (no
+    second lookup that DNS rebinding could move)."""
+    _Hook.answers = []
+    by_name = hook_url.replace("127.0.0.1", "localhost")
+    (request_id,) = submit(loopback_hooks, admin, endpoint, 1, webhook=by_name)
+    w1 = worker(loopback_hooks, admin, endpoint, "w1")
+    q.take(loopback_hooks, endpoint, w1, 1)
+    q.finish(loopback_hooks, w1, request_id, {"output": "x"})
+    assert q.deliver_webhooks(loopback_hooks) == 1
+    port = hook_url.split(":")[2].split("/")[0]
+    assert _Hook.hosts == [f"localhost:{port}"]

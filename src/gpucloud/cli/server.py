@@ -37,7 +37,11 @@ def server(
     with cli_errors():
         if workers > 1 and ssh_port == 0:
             raise CliError("--ssh-port 0 needs --workers 1 (the workers share one port)")
-        settings = replace(Settings.from_env(), ssh_port=ssh_port, ssh_host=ssh_host or host,
+        try:
+            from_env = Settings.from_env()
+        except ValueError as error:  # a GPUCLOUD_* variable that does not parse
+            raise CliError(str(error)) from None
+        settings = replace(from_env, ssh_port=ssh_port, ssh_host=ssh_host or host,
                            ssh_reuse_port=workers > 1)
         # Worker processes build their settings from the environment.
         os.environ.update(GPUCLOUD_SSH_PORT=str(ssh_port), GPUCLOUD_SSH_HOST=settings.ssh_host,

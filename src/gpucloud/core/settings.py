@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpucloud.core.egress import DEFAULT_DENIED, EgressPolicy, parse_networks
 
 
 def gpucloud_home() -> Path:
@@ -87,6 +89,10 @@ class Settings:
     serverless_long_poll_seconds: float = 30.0
     #: The most a ``runsync`` is held for its result (RunPod's ``?wait=`` is up to 300 s).
     serverless_runsync_max_wait_seconds: float = 300.0
+    #: Where webhooks may be POSTed (core/egress.py): denied networks (env
+    #: GPUCLOUD_WEBHOOK_DENY, comma-separated; default loopback, link-local and the
+    #: metadata addresses) and allowed ones that override them (GPUCLOUD_WEBHOOK_ALLOW).
+    webhook_egress: EgressPolicy = field(default_factory=EgressPolicy.default)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -124,7 +130,17 @@ class Settings:
             serverless_url=os.environ.get("GPUCLOUD_SERVERLESS_URL") or None,
             serverless_long_poll_seconds=min(85.0, float(
                 os.environ.get("GPUCLOUD_SERVERLESS_LONG_POLL", "30"))),
+            webhook_egress=_webhook_egress(),
         )
+
+
+def _webhook_egress() -> EgressPolicy:
+    denied = os.environ.get("GPUCLOUD_WEBHOOK_DENY")
+    return EgressPolicy(
+        denied=parse_networks(DEFAULT_DENIED if denied is None else denied,
+                              "GPUCLOUD_WEBHOOK_DENY"),
+        allowed=parse_networks(os.environ.get("GPUCLOUD_WEBHOOK_ALLOW", ""),
+                               "GPUCLOUD_WEBHOOK_ALLOW"))
 
 
 def _optional_float(value: str | None) -> float | None:

@@ -19,17 +19,20 @@ every ``POLL_FALLBACK_SECONDS`` (a change made by another replica).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
+from gpucloud.core.egress import EgressPolicy, EgressRefused, Target
 from gpucloud.core.errors import InvalidInput, NotFound
 from gpucloud.core.phases import PodPhase
 from gpucloud.core.serverless import RequestStatus
@@ -37,6 +40,8 @@ from gpucloud.db.models import EndpointModel, EndpointRequestModel, PodModel
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.projects import Principal
 from gpucloud.services.wakeups import Wakeups
+
+log = logging.getLogger(__name__)
 
 LEASE_SECONDS = 30.0
 SYNC_RETENTION_SECONDS = 60.0
@@ -111,7 +116,8 @@ def _ms_policy(policy: Any, key: str) -> float | None:
     return float(value) / 1000
 
 
-def _parse_body(body: Any) -> tuple[Any, str | None, float | None, float | None]:
+def _parse_body(body: Any, egress: EgressPolicy
+                ) -> tuple[Any, str | None, float | None, float | None]:
     """RunPod's ``{"input": …, "webhook"?: url, "policy"?: {executionTimeout, ttl}}``."""
     if not isinstance(body, dict) or "input" not in body:
         raise InvalidInput("input", "field required: the request's input")
@@ -121,6 +127,11 @@ def _parse_body(body: Any) -> tuple[Any, str | None, float | None, float | None]
     if webhook is not None and (not isinstance(webhook, str) or len(webhook) > 2048
                                 or not webhook.startswith(("http://", "https://"))):
         raise InvalidInput("webhook", "must be an http:// or https:// URL")
+    if webhook is not None:
+        try:
+            egress.check_literal(webhook)
+        except EgressRefused as refused:
+            raise InvalidInput("webhook", str(refused)) from None
     policy = body.get("policy")
     policy = {} if policy is None else policy
     if not isinstance(policy, dict):
@@ -132,7 +143,7 @@ def _parse_body(body: Any) -> tuple[Any, str | None, float | None, float | None]
 def submit(ctx: ServiceContext, caller: Principal, endpoint_ref: str, body: Any,
            sync: bool) -> dict[str, Any]:
     """Queue one request; returns ``{"id", "status"}``."""
-    job_input, webhook, timeout, ttl = _parse_body(body)
+    job_input, webhook, timeout, ttl = _parse_body(body, ctx.settings.webhook_egress)
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
         endpoint = get_endpoint_row(session, caller, endpoint_ref)
@@ -559,17 +570,37 @@ def _drop_expired(session: Session, now: datetime) -> int:
     return _rowcount(session.execute(delete(_Q).where(_Q.id.in_(ids))))
 
 
-def http_post(url: str, body: bytes) -> int:
-    """POST a webhook (5 s timeout); the status, or 0 when it could not be delivered."""
+def http_post(target: Target, body: bytes) -> int:
+    """POST a webhook to a checked address (5 s timeout, no redirects followed: a
+    redirect could lead anywhere); the status, or 0 when it could not be delivered."""
+    headers = {"Content-Type": "application/json", "Host": urlsplit(target.url).netloc}
+    with httpx.Client(timeout=5.0) as client:
+        for address in target.addresses:  # the next one only when this one cannot connect
+            request = client.build_request("POST", target.pinned_url(address), content=body,
+                                           headers=headers,
+                                           extensions={"sni_hostname": target.host})
+            try:
+                return client.send(request).status_code
+            except httpx.ConnectError:
+                continue
+            except httpx.HTTPError:
+                return 0
+    return 0
+
+
+def _post_checked(ctx: ServiceContext, post: Callable[[Target, bytes], int], url: str,
+                  body: bytes) -> int | None:
+    """The delivery's status; None when the egress policy refuses the destination (then
+    it is not retried: a refused address stays refused)."""
     try:
-        response = httpx.post(url, content=body, timeout=5.0,
-                              headers={"Content-Type": "application/json"})
-    except httpx.HTTPError:
-        return 0
-    return response.status_code
+        target = ctx.settings.webhook_egress.resolve(url)
+    except EgressRefused as refused:
+        log.warning("webhook to %s refused: %s", urlsplit(url).hostname, refused)
+        return None
+    return post(target, body)
 
 
-def deliver_webhooks(ctx: ServiceContext, post: Callable[[str, bytes], int] = http_post,
+def deliver_webhooks(ctx: ServiceContext, post: Callable[[Target, bytes], int] = http_post,
                      limit: int = 20) -> int:
     """POST each due webhook (outside any transaction), then record the outcome: done on
     2xx, else retried after 10 s, 20 s … and given up after ``WEBHOOK_ATTEMPTS``."""
@@ -581,14 +612,15 @@ def deliver_webhooks(ctx: ServiceContext, post: Callable[[str, bytes], int] = ht
                    .order_by(_Q.webhook_next_at).limit(limit))]
     delivered = 0
     for request_id, version, url, body in due:
-        ok = url is not None and 200 <= post(url, body) < 300
+        status = _post_checked(ctx, post, url, body) if url is not None else None
+        ok = status is not None and 200 <= status < 300
         delivered += ok
         with ctx.db.transaction() as session:
             row = session.get(_Q, request_id)
             if row is None or row.version != version:
                 continue  # stale: changed meanwhile (another replica delivered it)
             row.webhook_attempts += 1
-            if ok or row.webhook_attempts >= WEBHOOK_ATTEMPTS:
+            if ok or status is None or row.webhook_attempts >= WEBHOOK_ATTEMPTS:
                 row.webhook_state, row.webhook_next_at = ("done" if ok else "failed"), None
             else:
                 row.webhook_next_at = ctx.clock.now() + timedelta(
