@@ -301,3 +301,43 @@ def test_a_bad_checkpoint_dir_is_refused(api: TestClient) -> None:
                                           "checkpoint_dir": "ckpt"})
     assert response.status_code == 422 and response.json()["field"] == "checkpoint_dir"
 
+
+
+def test_concurrent_uploads_of_one_chunk_never_corrupt_it(
+    api: TestClient, schedule: Callable[[], Any], conn: Connection, app_ctx: ServiceContext,
+) -> None:
+    """Several senders of the same chunk at once (a retry after a timeout while the first
+    request is still served, or two ranks with the same bytes): pieces are appended under
+    a lock, so none is refused and the stored chunk is whole."""
+    assignment = _pod(api, schedule, conn)
+    assert conn.node_id is not None
+    node_id, token = conn.node_id, conn.fencing_token
+    project = service._project_of(app_ctx, node_id, assignment.pod_id, token,
+                                  assignment.attempt)
+
+    def send(data: bytes, digest: str, errors: list[BaseException]) -> None:
+        offset, piece = 0, MiB // 4
+        try:
+            while True:
+                end = min(len(data), offset + piece)
+                out = service.upload_chunk(
+                    app_ctx, node_id, assignment.pod_id, digest, token, assignment.attempt,
+                    f"bytes {offset}-{end - 1}/{len(data)}", data[offset:end])
+                if out.complete:
+                    return
+                offset = out.received
+        except BaseException as error:  # noqa: BLE001 (collected for the assertion)
+            errors.append(error)
+
+    for _ in range(3):
+        data = os.urandom(4 * MiB)
+        digest = hashlib.sha256(data).hexdigest()
+        errors: list[BaseException] = []
+        senders = [threading.Thread(target=send, args=(data, digest, errors))
+                   for _ in range(4)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
+        assert errors == []
+        assert not service.store_of(app_ctx).missing(project, [digest])

@@ -9,10 +9,12 @@ project so that nothing of one project is ever reachable through another's names
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol
@@ -128,11 +130,31 @@ class Staging:
     SHA-256 must equal its name, or it is discarded (422) and nothing is stored.
     """
 
+    #: Lock stripes: a chunk's uploads serialize on one of these files (a bounded set,
+    #: never deleted, since removing a lock file others wait on breaks the lock).
+    LOCK_STRIPES = 1024
+
     def __init__(self, root: Path) -> None:
         self.root = root
 
     def path(self, project: str, digest: str) -> Path:
         return self.root / project / f"{digest}.part"
+
+    @contextmanager
+    def locked(self, digest: str) -> Iterator[None]:
+        """Hold the chunk's upload lock: the bytes held, the append and the finish of
+        two senders of one chunk (a retry while the first request is still served, two
+        ranks with the same bytes, two server processes) never interleave. ``flock``, so
+        threads and processes on this host alike."""
+        stripe = int(digest[-8:], 16) % self.LOCK_STRIPES if digest else 0
+        folder = self.root / ".locks"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{stripe:04d}", "a+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def received(self, project: str, digest: str) -> int:
         try:

@@ -168,15 +168,17 @@ def upload_chunk(ctx: ServiceContext, node_id: str, pod_id: str, digest: str, to
     start, total = parse_content_range(content_range, len(data))
     project = _project_of(ctx, node_id, pod_id, token, attempt)
     store, stage = store_of(ctx), _staging(ctx)
-    if not store.missing(project, [digest]):
-        return ChunkUploadOut(digest=digest, received=total, complete=True)
-    received = stage.append(project, digest, start, data)
-    if received < total:
-        return ChunkUploadOut(digest=digest, received=received, complete=False)
-    if received > total:
-        stage.path(project, digest).unlink(missing_ok=True)
-        raise InvalidInput("Content-Range", f"the chunk grew past its total of {total} bytes")
-    store.put_chunk(project, digest, stage.finish(project, digest))
+    with stage.locked(digest):  # another sender of this chunk may be appending now
+        if not store.missing(project, [digest]):
+            return ChunkUploadOut(digest=digest, received=total, complete=True)
+        received = stage.append(project, digest, start, data)
+        if received < total:
+            return ChunkUploadOut(digest=digest, received=received, complete=False)
+        if received > total:
+            stage.path(project, digest).unlink(missing_ok=True)
+            raise InvalidInput("Content-Range",
+                               f"the chunk grew past its total of {total} bytes")
+        store.put_chunk(project, digest, stage.finish(project, digest))
     return ChunkUploadOut(digest=digest, received=total, complete=True)
 
 
