@@ -22,7 +22,7 @@ from gpucloud.core.egress import EgressPolicy, parse_networks
 from gpucloud.core.errors import InvalidInput, NotFound
 from gpucloud.core.models import PodCreateRequest
 from gpucloud.core.serverless import EndpointCreateRequest
-from gpucloud.db.models import EndpointRequestModel, PodModel
+from gpucloud.db.models import EndpointRequestModel, PodEventModel, PodModel
 from gpucloud.services import endpoints, pods
 from gpucloud.services import serverless_queue as q
 from gpucloud.services.context import ServiceContext
@@ -342,3 +342,25 @@ def test_a_webhook_is_sent_to_the_address_checked(loopback_hooks: ServiceContext
     assert q.deliver_webhooks(loopback_hooks) == 1
     port = hook_url.split(":")[2].split("/")[0]
     assert _Hook.hosts == [f"localhost:{port}"]
+
+
+def test_stop_pod_in_a_result_refreshes_the_worker(app_ctx: ServiceContext, admin: Principal,
+                                                    endpoint: str) -> None:
+    """A handler that returned ``refresh_worker`` (the SDK sends ``stopPod: true``): the
+    worker is stopped and takes nothing more (the autoscaler replaces it)."""
+    first, second = submit(app_ctx, admin, endpoint, 2)
+    w1 = worker(app_ctx, admin, endpoint, "w1")
+    assert [j["id"] for j in q.take(app_ctx, endpoint, w1, 1)] == [first]
+    assert q.finish(app_ctx, w1, first, {"output": 1, "stopPod": True})
+    with app_ctx.db.read() as session:
+        pod = session.get_one(PodModel, w1)
+        assert pod.desired_state == "stopped"
+        reasons = [e.reason for e in session.scalars(
+            select(PodEventModel).where(PodEventModel.pod_id == w1))]
+    assert "WorkerRefresh" in reasons
+    assert q.take(app_ctx, endpoint, w1, 1) == []
+    w2 = worker(app_ctx, admin, endpoint, "w2")
+    assert [j["id"] for j in q.take(app_ctx, endpoint, w2, 1)] == [second]
+    assert q.finish(app_ctx, w2, second, {"output": 2, "stopPod": False})
+    with app_ctx.db.read() as session:
+        assert session.get_one(PodModel, w2).desired_state == "running"

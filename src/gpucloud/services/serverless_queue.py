@@ -38,6 +38,8 @@ from gpucloud.core.phases import PodPhase
 from gpucloud.core.serverless import RequestStatus
 from gpucloud.db.models import EndpointModel, EndpointRequestModel, PodModel
 from gpucloud.services.context import ServiceContext, new_id
+from gpucloud.services.events import record_event
+from gpucloud.services.pods import bump_assignments
 from gpucloud.services.projects import Principal
 from gpucloud.services.wakeups import Wakeups
 
@@ -334,7 +336,8 @@ def _take_once(ctx: ServiceContext, endpoint_id: str, worker_pod_id: str,
     jobs: list[dict[str, Any]] = []
     with ctx.db.transaction() as session:
         if not session.scalar(select(func.count()).where(
-                PodModel.id == worker_pod_id, PodModel.deleted_at.is_(None))):
+                PodModel.id == worker_pod_id, PodModel.deleted_at.is_(None),
+                PodModel.desired_state == "running")):
             return [], False  # a worker being stopped takes nothing more
         candidates = session.execute(select(_Q.id, _Q.version, _Q.input).where(
             _Q.endpoint_id == endpoint_id, _Q.status == RequestStatus.IN_QUEUE.value)
@@ -428,8 +431,24 @@ def finish(ctx: ServiceContext, worker_pod_id: str, request_id: str, result: dic
         _finish_row(row, now, RequestStatus.FAILED if error else RequestStatus.COMPLETED)
         session.flush()
         _mark_idle_if_free(session, worker_pod_id, now)
+        if result.get("stopPod") is True:
+            _refresh_worker(session, worker_pod_id, now)
     WAKEUPS.notify(f"r:{request_id}")
     return True
+
+
+def _refresh_worker(session: Session, worker_pod_id: str, now: datetime) -> None:
+    """RunPod's ``stopPod`` (a handler that returned ``refresh_worker``): the worker takes
+    nothing more and is stopped; the autoscaler then replaces it with a fresh one."""
+    pod = session.get(PodModel, worker_pod_id)
+    if pod is None or pod.desired_state != "running":
+        return
+    pod.desired_state = "stopped"
+    pod.version += 1
+    record_event(session, pod.id, now, "WorkerRefresh",
+                 "the worker asked to be refreshed after its job (stopPod): stopped, and "
+                 "replaced by the autoscaler")
+    bump_assignments(session, pod.node_id)
 
 
 def _mark_idle_if_free(session: Session, worker_pod_id: str, now: datetime) -> None:
