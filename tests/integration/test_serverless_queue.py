@@ -309,6 +309,16 @@ def test_webhooks_are_posted_with_retries(loopback_hooks: ServiceContext,
         "done", "failed")
 
 
+def _finished_with_webhook(ctx: ServiceContext, admin: Principal, endpoint: str,
+                           url: str) -> str:
+    """A request with a webhook, taken and finished by a worker: its webhook is due."""
+    (request_id,) = submit(ctx, admin, endpoint, 1, webhook=url)
+    w1 = worker(ctx, admin, endpoint, "w1")
+    q.take(ctx, endpoint, w1, 1)
+    q.finish(ctx, w1, request_id, {"output": "x"})
+    return request_id
+
+
 def test_webhooks_to_the_servers_own_host_are_refused(app_ctx: ServiceContext,
                                                        admin: Principal, endpoint: str,
                                                        hook_url: str) -> None:
@@ -319,11 +329,8 @@ def test_webhooks_to_the_servers_own_host_are_refused(app_ctx: ServiceContext,
         with pytest.raises(InvalidInput) as refused:
             submit(app_ctx, admin, endpoint, 1, webhook=url)
         assert refused.value.field == "webhook"
-    by_name = hook_url.replace("127.0.0.1", "localhost")
-    (request_id,) = submit(app_ctx, admin, endpoint, 1, webhook=by_name)
-    w1 = worker(app_ctx, admin, endpoint, "w1")
-    q.take(app_ctx, endpoint, w1, 1)
-    q.finish(app_ctx, w1, request_id, {"output": "x"})
+    request_id = _finished_with_webhook(app_ctx, admin, endpoint,
+                                        hook_url.replace("127.0.0.1", "localhost"))
     assert q.deliver_webhooks(app_ctx) == 0
     assert row(app_ctx, request_id).webhook_state == "failed" and _Hook.bodies == []
 
@@ -334,11 +341,8 @@ def test_a_webhook_is_sent_to_the_address_checked(loopback_hooks: ServiceContext
     """Delivered to the resolved, checked address with the URL's own Host header (no
     second lookup that DNS rebinding could move)."""
     _Hook.answers = []
-    by_name = hook_url.replace("127.0.0.1", "localhost")
-    (request_id,) = submit(loopback_hooks, admin, endpoint, 1, webhook=by_name)
-    w1 = worker(loopback_hooks, admin, endpoint, "w1")
-    q.take(loopback_hooks, endpoint, w1, 1)
-    q.finish(loopback_hooks, w1, request_id, {"output": "x"})
+    _finished_with_webhook(loopback_hooks, admin, endpoint,
+                           hook_url.replace("127.0.0.1", "localhost"))
     assert q.deliver_webhooks(loopback_hooks) == 1
     port = hook_url.split(":")[2].split("/")[0]
     assert _Hook.hosts == [f"localhost:{port}"]
