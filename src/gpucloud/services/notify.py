@@ -1,7 +1,8 @@
 """Wake-ups across server replicas: PostgreSQL ``LISTEN/NOTIFY`` as a hint only.
 
 Every replica keeps one connection of its own that LISTENs on ``gpucloud``; a change
-committed on one replica (a node's assignments, a revoked key) is published after commit
+committed on one replica (a node's assignments, a revoked key, a serverless request
+queued or finished) is published after commit
 from a queue by one thread on another connection of its own, batched, never on the
 request or heartbeat path (NOTIFY takes a global lock at commit). A receiver wakes the
 long polls of that node (``wakeups.ASSIGNMENTS``) or clears its cache (``ctx.cache``).
@@ -20,13 +21,17 @@ import threading
 import psycopg
 from sqlalchemy.engine import make_url
 
-from gpucloud.services import wakeups
+from gpucloud.services import serverless_queue, wakeups
 from gpucloud.services.context import TtlCache
 
 log = logging.getLogger(__name__)
 CHANNEL = "gpucloud"
 ASSIGNMENTS = "a:"
 CACHE = "c:"
+#: Serverless queue wake-ups (a request queued, finished or stopped; its keys are
+#: ``serverless_queue.WAKEUPS``'s): a runsync or job-take long poll held by another
+#: replica answers at once instead of on its next re-check.
+SERVERLESS = "s:"
 #: A notification's payload is at most 8000 bytes: a batch holds this many keys.
 BATCH = 200
 
@@ -50,12 +55,14 @@ class NotifyBridge:
 
     def start(self) -> None:
         wakeups.ASSIGNMENTS.publisher = lambda key: self._outbox.put(ASSIGNMENTS + key)
+        serverless_queue.WAKEUPS.publisher = lambda key: self._outbox.put(SERVERLESS + key)
         self.cache.publisher = lambda: self._outbox.put(CACHE)
         for thread in self._threads:
             thread.start()
 
     def stop(self) -> None:
         wakeups.ASSIGNMENTS.publisher = None
+        serverless_queue.WAKEUPS.publisher = None
         self.cache.publisher = None
         self._stop.set()
         self._outbox.put(None)
@@ -105,3 +112,5 @@ class NotifyBridge:
                 self.cache.clear_local()
             elif item.startswith(ASSIGNMENTS):
                 wakeups.ASSIGNMENTS.notify_local(item[len(ASSIGNMENTS):])
+            elif item.startswith(SERVERLESS):
+                serverless_queue.WAKEUPS.notify_local(item[len(SERVERLESS):])
