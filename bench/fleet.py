@@ -4,8 +4,10 @@ Each simulated agent speaks the real agent protocol over real HTTP (register, re
 lease every TTL/3 with jitter, long-poll its assignments, report its pods ``Running``), with
 the real agent's timing: its renewal period, its exponential back-off with jitter on
 failures (never a fixed short retry: a fleet retrying every 0.2 s is a retry storm that
-keeps an overloaded server overloaded), no request abandoned before the lease could lapse
-(an abandoned request is still served, then sent again), and reports on a connection of
+keeps an overloaded server overloaded), a renewal given up at half the TTL as the agent
+does (agent/connection.py ``lease_timeout``: longer than the server's worst answer, whose
+lease statements are cut at 2 s, and short enough to send it again, to the other replica,
+while the lease holds), and reports on a connection of
 their own (the agent's lease thread never waits behind its pod reports); a
 few worker processes each run thousands of them on one asyncio loop, out of the servers'
 processes. Two ``gpucloud server`` replicas share one PostgreSQL; agents are spread over
@@ -18,7 +20,8 @@ Lost whose agent was alive: target 0), how fast each killed agent's node became 
 (target: within TTL + 2 s), live scheduling throughput (pods going Pending -> bound per
 second while a backlog exists), the leader failover time and CPU per replica.
 
-    .venv/bin/python bench/fleet.py --quick          # a few minutes, 1,000 agents
+    .venv/bin/python bench/fleet.py --quick          # the 10-minute soak, 1,000 agents
+    .venv/bin/python bench/fleet.py --quick --duration 60   # a short look
     .venv/bin/python bench/fleet.py                  # 30 min, 10,000 agents (full)
 
 Results: printed, and bench/results/fleet.json (its "mode" says quick or full).
@@ -62,8 +65,10 @@ GIB = 1024**3
 class Http:
     """One keep-alive connection to one of several servers; moves on when one is down."""
 
-    def __init__(self, ports: list[int], first: int) -> None:
+    def __init__(self, ports: list[int], first: int, source: str | None = None) -> None:
         self.ports, self.index = ports, first % len(ports)
+        #: the local address to connect from (each simulated agent its own, see SimAgent)
+        self.source = source
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.lock = asyncio.Lock()  # one request at a time on the connection
@@ -93,12 +98,19 @@ class Http:
             return 0, None
 
     async def _exchange(self, data: bytes) -> tuple[int, Any]:
+        if self.reader is not None and self.reader.at_eof():
+            self._drop()  # the server closed it while idle (its keep-alive timeout)
+        reused = self.writer is not None
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(
-                "127.0.0.1", self.ports[self.index])
-        assert self.reader is not None
+                "127.0.0.1", self.ports[self.index],
+                local_addr=(self.source, 0) if self.source else None)
+        assert self.reader is not None and self.writer is not None
         self.writer.write(data)
         status_line = await self.reader.readline()
+        if not status_line and reused:  # closed as we sent: once more on a fresh one, as
+            self._drop()                # HTTP clients do (the request never got there)
+            return await self._exchange(data)
         if not status_line:
             raise ConnectionResetError
         length, close = 0, False
@@ -143,9 +155,13 @@ class SimAgent:
     def __init__(self, name: str, ports: list[int], index: int, join_token: str,
                  stats: AgentStats) -> None:
         self.name, self.join_token, self.stats = name, join_token, stats
-        self.control = Http(ports, index)  # register and the lease only
-        self.reports = Http(ports, index)
-        self.poll = Http(ports, index)
+        # Each agent from an address of its own (127.0.0.0/8 is all loopback), as real
+        # nodes are: the server's auth-failure limits count per TCP peer, and a fleet on one
+        # address would share one bucket (a few refused tokens then block every renewal).
+        source = agent_address(index)
+        self.control = Http(ports, index, source)  # register and the lease only
+        self.reports = Http(ports, index, source)
+        self.poll = Http(ports, index, source)
         self.token = ""
         self.fencing = 0
         self.ttl = 10.0
@@ -178,17 +194,21 @@ class SimAgent:
             started = time.perf_counter()
             status, out = await self.control.request(
                 "POST", "/v1/agent/lease", self.token, {"fencing_token": self.fencing},
-                timeout=self.ttl)
+                timeout=self.ttl / 2)
             if status == 200:
                 self.stats.renewals += 1
                 self.stats.record(time.perf_counter() - started)
                 if out["new_grant"]:
                     self.stats.unexpected_new_grants += 1
                 self.fencing = out["fencing_token"]
+            elif status == 401:  # its token was replaced (a registration answered late,
+                await self.register()  # after its retry): register again, as the agent does
+                continue
             elif status == 409:
                 self.stats.stale_refusals += 1
                 status, out = await self.control.request("POST", "/v1/agent/lease", self.token,
-                                                         {"fencing_token": None})
+                                                         {"fencing_token": None},
+                                                         timeout=self.ttl / 2)
                 if status == 200:
                     self.fencing = out["fencing_token"]
             else:
@@ -229,6 +249,11 @@ class SimAgent:
         if status == 200:
             self.running.add(pod["pod_id"])
             self.stats.reports += 1
+
+
+def agent_address(index: int) -> str:
+    """Agent ``index``'s loopback address, 127.1.x.y (127.0.0.1 is the API clients')."""
+    return f"127.1.{index // 250 % 250}.{index % 250 + 1}"
 
 
 def backoff(failures: int, base: float = 0.2, cap: float = 5.0) -> float:
@@ -288,11 +313,38 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _group_stats(pgid: int) -> list[list[str]]:
+    """The /proc stat fields (after the name) of each process in group ``pgid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid:
+            found.append(fields)
+    return found
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU of every process in process group ``pgid`` (a replica and its workers)."""
+    ticks = sum(int(f[11]) + int(f[12]) for f in _group_stats(pgid))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def group_alive(pgid: int) -> bool:
+    return any(f[0] != "Z" for f in _group_stats(pgid))
+
+
 class Replica:
     """One ``gpucloud server`` process (controllers on; the leader holds their lease)."""
 
-    def __init__(self, name: str, database_url: str, ttl: float) -> None:
+    def __init__(self, name: str, database_url: str, ttl: float, workers: int = 1) -> None:
         self.name, self.port = name, free_port()
+        #: processes of this replica (``--workers``: they share the ports, SO_REUSEPORT,
+        #: so they need a fixed SSH port, not 0)
+        self.workers = workers
+        self.ssh_port = free_port() if workers > 1 else 0
         self.home = Path(tempfile.mkdtemp(prefix=f"gpucloud-fleet-{name}-"))
         self.env = {**os.environ, "GPUCLOUD_HOME": str(self.home),
                     "GPUCLOUD_ADMIN_KEY": ADMIN_KEY, "GPUCLOUD_DATABASE_URL": database_url,
@@ -307,9 +359,10 @@ class Replica:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gpucloud.cli.main", "server", "--port", str(self.port),
-             "--ssh-port", "0"], env=self.env, stdout=subprocess.DEVNULL,
+             "--ssh-port", str(self.ssh_port), "--workers", str(self.workers)],
+            env=self.env, stdout=subprocess.DEVNULL, start_new_session=True,  # its own group
             stderr=open(self.home / "stderr.log", "ab"))  # noqa: SIM115
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180  # a restart beside a replica at full load
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"replica {self.name} exited: "
@@ -318,22 +371,33 @@ class Replica:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return
             time.sleep(0.2)
-        raise RuntimeError(f"replica {self.name} did not become healthy")
+        raise RuntimeError(f"replica {self.name} did not become healthy: "
+                           f"{(self.home / 'stderr.log').read_text()[-2000:]}")
 
     def cpu(self) -> float:
-        return self.cpu_before_restart + (cpu_seconds(self.process.pid) if self.process else 0)
+        """CPU seconds of the whole process group (the replica and its workers)."""
+        return self.cpu_before_restart + (group_cpu_seconds(self.process.pid)
+                                          if self.process else 0)
 
     def kill(self) -> None:
+        """kill -9 of the whole replica: its main process and every worker at once."""
         assert self.process is not None
-        self.cpu_before_restart += cpu_seconds(self.process.pid)
-        self.process.send_signal(signal.SIGKILL)
+        self.cpu_before_restart += group_cpu_seconds(self.process.pid)
+        with suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        deadline = time.monotonic() + 10
+        while group_alive(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the workers are gone too
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             with suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=20)
+        if self.process is not None:  # whatever of the group is left
+            with suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
 
 class Monitor(threading.Thread):
@@ -483,6 +547,8 @@ class Plan:
     ttl: float
     pods: int
     quick: bool
+    #: processes per replica (``gpucloud server --workers``)
+    server_workers: int = 1
 
 
 def _percentile(histogram: dict[int, int], fraction: float) -> float:
@@ -517,7 +583,8 @@ def _throughput(samples: list[tuple[float, int, int]],
 @contextmanager
 def _cluster(plan: Plan) -> Iterator[tuple[str, list[Replica]]]:
     with postgres_server(durable=False) as database_url:
-        replicas = [Replica("a", database_url, plan.ttl), Replica("b", database_url, plan.ttl)]
+        replicas = [Replica(name, database_url, plan.ttl, plan.server_workers)
+                    for name in ("a", "b")]
         try:
             replicas[0].start()  # migrates and takes the controllers' lease first: the leader
             replicas[1].start()
@@ -633,6 +700,7 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
     return {
         "mode": "quick" if plan.quick else "full",
         "agents": plan.agents, "agent_processes": plan.processes, "replicas": 2,
+        "server_workers_per_replica": plan.server_workers,
         "lease_ttl_s": plan.ttl, "measured_s": round(elapsed, 1),
         "register_all_s": round(registered_s, 1),
         "lease_renewals": renewals,
@@ -672,12 +740,14 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="a few minutes with 1,000 agents (default: 30 min, 10,000)")
+                        help="the 10-minute soak with 1,000 agents (default: 30 min, 10,000)")
     parser.add_argument("--agents", type=int)
     parser.add_argument("--processes", type=int)
     parser.add_argument("--duration", type=float, help="seconds measured")
     parser.add_argument("--ttl", type=float, default=10.0, help="lease TTL (s)")
     parser.add_argument("--pods", type=int)
+    parser.add_argument("--server-workers", type=int, default=1,
+                        help="processes per replica (gpucloud server --workers)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -686,8 +756,9 @@ def main() -> None:
     quick = args.quick
     plan = Plan(agents=args.agents or (1000 if quick else 10_000),
                 processes=args.processes or (2 if quick else 8),
-                duration=args.duration or (180.0 if quick else 1800.0), ttl=args.ttl,
-                pods=args.pods or (2000 if quick else 20_000), quick=quick)
+                duration=args.duration or (600.0 if quick else 1800.0), ttl=args.ttl,
+                pods=args.pods or (2000 if quick else 20_000), quick=quick,
+                server_workers=args.server_workers)
     result = run(plan)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "fleet.json"

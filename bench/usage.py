@@ -6,7 +6,11 @@ and creates ``--pods`` CPU pods that the scheduler binds to them. Then each node
 "agent" posts batches to ``POST /v1/agent/usage`` (its pods × ``--per-pod`` samples per
 batch, cumulative counters, fresh sequence numbers) from concurrent keep-alive clients.
 A batch the server sheds (503, ingest yields to API calls) is sent again after its
-``Retry-After``, exactly as the agent's spool does, so nothing is lost.
+``Retry-After``, exactly as the agent's spool does, so nothing is lost. The simulated
+agents run in a process of their own, their batches sent at ``nice`` 19: they
+stand for the other machines of a fleet, so their JSON encoding neither blocks the event
+loop that times the creates nor takes the creates' CPU; the server and PostgreSQL carry
+the whole ingest.
 
 Rounds, in one run (the machine is shared: compare within a run):
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -41,6 +46,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +68,8 @@ from gpucloud.db.session import make_engine  # noqa: E402
 #: about leases: a node declared Lost would have its pods' samples refused).
 LEASE_TTL = 60
 LEASE_EVERY = 5.0
+#: The simulated agents' process runs at this nice level (see Agents).
+AGENTS_NICE = 19
 
 
 class NodeClient(RawClient):
@@ -90,9 +98,9 @@ class NodeClient(RawClient):
         return int(status_line.split()[1]), retry_after
 
 
-def setup(url: str, nodes: int, pods: int) -> tuple[list[dict[str, Any]], Leases]:
-    """Register nodes (their leases renewed from then on), create pods, wait until all
-    are bound; each node with its pods."""
+def setup(url: str, nodes: int, pods: int) -> tuple[list[dict[str, Any]], Agents]:
+    """Register nodes (their leases renewed from then on by the agents' process), create
+    pods, wait until all are bound; each node with its pods, and the agents."""
     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
                          timeout=60)
     registered = []
@@ -102,8 +110,7 @@ def setup(url: str, nodes: int, pods: int) -> tuple[list[dict[str, Any]], Leases
                 "memory_bytes": 512 << 30, "gpus": []}
         registered.append(admin.post("/v1/agent/register", json=body).raise_for_status()
                           .json())
-    leases = Leases(url, registered)
-    leases.start()
+    agents = Agents(url, registered)
     for index in range(pods):
         admin.post("/v1/pods", json={"name": f"sampled-{index}", "image": "busybox",
                                      "command": ["sleep", "1"], "cpu": 1,
@@ -119,9 +126,88 @@ def setup(url: str, nodes: int, pods: int) -> tuple[list[dict[str, Any]], Leases
     for pod in bound:
         by_node.setdefault(pod["node"], []).append(pod)
     admin.close()
-    return [{"node_token": r["node_token"], "fencing_token": r["fencing_token"],
-             "pods": [(p["id"], p.get("attempt", 1)) for p in by_node.get(name, [])]}
-            for r, name in ((r, f"bench-{i}") for i, r in enumerate(registered))], leases
+    nodes_with_pods = [
+        {"node_token": r["node_token"], "fencing_token": r["fencing_token"],
+         "pods": [(p["id"], p.get("attempt", 1)) for p in by_node.get(name, [])]}
+        for r, name in ((r, f"bench-{i}") for i, r in enumerate(registered))]
+    agents.call("pods", nodes_with_pods)
+    return nodes_with_pods, agents
+
+
+class Agents:
+    """The simulated agents (lease renewals, usage batches) in a process of their own at
+    ``nice`` AGENTS_NICE: they stand for the other machines of a fleet, so neither their
+    JSON encoding nor their event loop shares this process (which times the creates)
+    with the creates' clients. The server and PostgreSQL carry the whole ingest."""
+
+    def __init__(self, url: str, registered: list[dict[str, Any]]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=_agents_main, args=(theirs, url, registered),
+                                       daemon=True)
+        self.process.start()
+
+    def call(self, command: str, *args: Any) -> Any:
+        self.pipe.send((command, args))
+        return self.pipe.recv()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.call("quit")
+        self.process.join(timeout=30)
+
+
+def _feed(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int, clients: int
+          ) -> tuple[threading.Thread, threading.Event, dict[str, Any]]:
+    """Ingest on a thread at ``nice`` AGENTS_NICE (Linux: per thread) until its event is
+    set or ``batches`` per node are sent; the result fills in."""
+    done, result = threading.Event(), {}
+
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, 0, AGENTS_NICE)  # this thread only
+        result.update(asyncio.run(ingest(url, nodes, batches, per_pod, clients, until=done)))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, done, result
+
+
+def _agents_main(pipe: Connection, url: str, registered: list[dict[str, Any]]) -> None:
+    """The agents' process: renew the leases (at normal priority: a lapsed lease makes
+    its node Lost), send batches (at ``nice`` AGENTS_NICE) when told (commands on
+    ``pipe``: pods, ingest, feed, sent, stop, failures, quit)."""
+    leases = Leases(url, registered)
+    leases.start()
+    nodes: list[dict[str, Any]] = []
+    feeding: tuple[threading.Thread, threading.Event, dict[str, Any]] | None = None
+    while True:
+        command, args = pipe.recv()
+        answer: Any = None
+        if command == "pods":
+            nodes = args[0]
+        elif command == "ingest":  # batches, per_pod, clients, seq_offset
+            for node in nodes:
+                node["seq_offset"] = args[3]
+            thread, _, answer = _feed(url, nodes, args[0], args[1], args[2])
+            thread.join()
+        elif command == "feed":  # until "stop": per_pod, clients, seq_offset
+            for node in nodes:
+                node["seq_offset"] = args[2]
+            feeding = _feed(url, nodes, 10_000, args[0], args[1])
+        elif command == "sent":
+            answer = sum(n.get("sent", 0) for n in nodes)
+        elif command == "stop" and feeding is not None:
+            thread, done, result = feeding
+            done.set()
+            thread.join()
+            answer, feeding = result, None
+        elif command == "failures":
+            answer = leases.failures
+        elif command == "quit":
+            leases.stopped.set()
+            pipe.send(None)
+            return
+        pipe.send(answer)
 
 
 class Leases(threading.Thread):
@@ -187,7 +273,7 @@ async def _send(client: NodeClient, body: bytes, tally: Tally) -> bool:
 
 
 async def _node_loop(port: int, node: dict[str, Any], batches: int, per_pod: int,
-                     start: datetime, tally: Tally, until: asyncio.Event | None) -> None:
+                     start: datetime, tally: Tally, until: threading.Event | None) -> None:
     client = NodeClient(port, node["node_token"])
     await client.connect()
     try:
@@ -202,7 +288,7 @@ async def _node_loop(port: int, node: dict[str, Any], batches: int, per_pod: int
 
 
 async def ingest(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int,
-                 clients: int, until: asyncio.Event | None = None) -> dict[str, Any]:
+                 clients: int, until: threading.Event | None = None) -> dict[str, Any]:
     """``clients`` node connections at a time, each posting ``batches`` batches (or until
     ``until`` is set, then stopping after the batch in hand)."""
     port = int(url.rsplit(":", 1)[1])
@@ -226,18 +312,15 @@ async def ingest(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: i
             "batch_samples": per_pod * round(pods / max(1, len(nodes)))}
 
 
-async def creates_while_ingesting(url: str, nodes: list[dict[str, Any]], args: Any
-                                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+def creates_while_ingesting(url: str, agents: Agents, args: Any
+                            ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Ingest at saturation from before the first create until after the last one."""
-    done = asyncio.Event()
-    feeding = asyncio.create_task(ingest(url, nodes, 10_000, args.per_pod, args.clients,
-                                         until=done))
-    await asyncio.sleep(1.0)  # ingest is in full swing before the creates begin
-    before = sum(n.get("sent", 0) for n in nodes)
-    creates = await load(url, "during", args.creates, args.create_clients)
-    window = sum(n.get("sent", 0) for n in nodes) - before
-    done.set()
-    ingested = await feeding
+    agents.call("feed", args.per_pod, args.clients, 10_000_000)
+    time.sleep(1.0)  # ingest is in full swing before the creates begin
+    before = agents.call("sent")
+    creates = asyncio.run(load(url, "during", args.creates, args.create_clients))
+    window = agents.call("sent") - before
+    ingested = agents.call("stop")
     # the rate while the creates ran (the whole round also has the ramp and the tail)
     ingested["samples_during_creates"] = window
     ingested["samples_per_second_during_creates"] = round(window / creates["seconds"], 1)
@@ -323,21 +406,20 @@ def _profiled(args: Any) -> Iterator[None]:
 
 
 def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
-    nodes, leases = setup(url, args.nodes, args.pods)
+    nodes, agents = setup(url, args.nodes, args.pods)
     try:
         pods = sum(len(n["pods"]) for n in nodes)
         asyncio.run(load(url, "warmup", 200, args.create_clients))
         alone = asyncio.run(load(url, "alone", args.creates, args.create_clients))
         batches = max(1, args.samples // (pods * args.per_pod))
-        ingest_alone = asyncio.run(ingest(url, nodes, batches, args.per_pod, args.clients))
-        for node in nodes:  # the second round: later sequence numbers of every pod
-            node["seq_offset"] = 10_000_000
+        ingest_alone = agents.call("ingest", batches, args.per_pod, args.clients, 0)
+        # the second round: later sequence numbers of every pod
         with _profiled(args):
-            during, ingest_during = asyncio.run(creates_while_ingesting(url, nodes, args))
+            during, ingest_during = creates_while_ingesting(url, agents, args)
         after = asyncio.run(load(url, "after", args.creates, args.create_clients))
+        sent, lease_failures = agents.call("sent"), agents.call("failures")
     finally:
-        leases.stopped.set()
-    sent = sum(n.get("sent", 0) for n in nodes)
+        agents.stop()
     stored = _stored(database_url)
     # Each create round leaves its pods pending (GPU pods, no GPU nodes), and the
     # scheduler in the workers goes through more of them each round: the creates alone
@@ -351,9 +433,13 @@ def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
         "create_p99_ms_alone": control,
         "create_p99_ms_while_ingesting": during["p99_ms"],
         "create_p99_change_percent": round((during["p99_ms"] / control - 1) * 100, 1),
-        "lease_failures": leases.failures,
+        "lease_failures": lease_failures,
         "samples_sent": sent, "samples_stored": stored, "samples_lost": sent - stored,
         "target_samples_per_second": 20_000,
+        "agents": f"simulated agents in their own process, batches sent at nice {AGENTS_NICE}"
+                  " (they stand for other machines; lease renewals at 0); the server and "
+                  "PostgreSQL carry the ingest",
+        "server_ingest": os.environ.get("GPUCLOUD_USAGE_INGEST", "auto"),
     }
 
 

@@ -87,10 +87,11 @@ def test_renewals_arriving_together_share_one_statement(ctx: ServiceContext) -> 
             lease_capacity.renew_current(ctx, r.node_token, LeaseRequest(fencing_token=1))
             for r in registered))
 
-    with _updates(ctx) as sent:
+    lease_ctx = lease_capacity.lease_context(ctx)  # the lease path's own pool (PostgreSQL)
+    with _updates(lease_ctx) as sent:
         results = asyncio.run(renew_all())
     assert len(sent) == 1 and all(r is not None for r in results)
-    with _updates(ctx) as sent:  # one alone is one statement, at once
+    with _updates(lease_ctx) as sent:  # one alone is one statement, at once
         alone = asyncio.run(lease_capacity.renew_current(
             ctx, registered[0].node_token, LeaseRequest(fencing_token=1)))
     assert len(sent) == 1 and alone is not None

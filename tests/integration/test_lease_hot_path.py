@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, text, update
 from sqlalchemy.exc import OperationalError
 
+from gpucloud.api import lease_capacity
 from gpucloud.api.routers import agent as agent_router
 from gpucloud.core.clock import ManualClock
 from gpucloud.db import session as db_session
@@ -48,10 +49,13 @@ def test_a_current_renewal_is_one_statement_and_the_rest_keep_their_answers(
 ) -> None:
     reg = register_node("gpu-1")
     headers = agent_headers(reg)
-    with _statements(app_ctx.db) as sent:
+    lease_db = lease_capacity.lease_context(app_ctx).db  # its own pool on PostgreSQL
+    with _statements(app_ctx.db) as shared, _statements(lease_db) as own:
         renewed = api.post("/v1/agent/lease", headers=headers, json={"fencing_token": 1})
     assert renewed.status_code == 200 and not renewed.json()["new_grant"]
+    sent = own if lease_db is not app_ctx.db else shared
     assert len(sent) == 1 and sent[0].lstrip().upper().startswith("UPDATE NODES"), sent
+    assert lease_db is app_ctx.db or not shared, shared  # never the request pool
     clock.advance(5)
     node = api.get("/v1/nodes/gpu-1").json()
     assert node["lease_expires_at"] == renewed.json()["lease_expires_at"]
@@ -81,10 +85,11 @@ def test_node_tokens_are_cached_and_a_re_registration_refuses_the_old_one_at_onc
 ) -> None:
     first = register_node("gpu-1")
     assert api.get("/v1/agent/assignments", headers=agent_headers(first)).status_code == 200
-    with _statements(app_ctx.db) as sent:  # the token is cached: only the assignments read
-        assert api.get("/v1/agent/assignments",
+    with _statements(app_ctx.db) as sent:  # the token is checked by the poll's one read of
+        assert api.get("/v1/agent/assignments",  # its revision, no query of its own
                        headers=agent_headers(first)).status_code == 200
-    assert not any("WHERE nodes.token_hash" in s for s in sent), sent
+    by_token = [s for s in sent if "WHERE nodes.token_hash" in s]
+    assert len(by_token) == 1 and "assignments_revision" in by_token[0], sent
     second = register_node("gpu-1")
     assert api.get("/v1/agent/assignments", headers=agent_headers(first)).status_code == 401
     assert api.get("/v1/agent/assignments", headers=agent_headers(second)).status_code == 200

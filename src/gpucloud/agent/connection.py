@@ -83,6 +83,15 @@ class Connection:
                 raise AgentFailure("the agent is not registered yet")
             return self._client
 
+    @property
+    def lease_timeout(self) -> float:
+        """How long a renewal may take: half the TTL. Longer than the server's worst
+        answer (its lease statements are cut at 2 s, api/lease_capacity.py), so a slow
+        server still renews; shorter than the lease, so a request lost on the way (a
+        dead replica behind the balancer) is sent again while the lease still holds,
+        not after 30 s, when the node is Lost already."""
+        return self.lease_ttl_seconds / 2
+
     def _adopt(self, client: AgentClient, token: int, ttl: float) -> None:
         with self._lock:
             old = self._client
@@ -146,7 +155,7 @@ class Connection:
     def _resume(self, saved: Identity) -> None:
         client = self._bootstrap.with_token(saved.node_token)
         try:
-            lease = client.lease(None)
+            lease = client.lease(None, timeout=self.lease_timeout)
         except Unauthorized as refused:
             client.close()
             raise AgentFailure(
@@ -163,7 +172,8 @@ class Connection:
         """Renew the current grant; take a new one when ours is stale; re-register on 401.
         ``health`` rides along (gpu/health: the GPUs' health, a node-level fault)."""
         try:
-            self._set_token(self.client.lease(self.fencing_token, health))
+            self._set_token(self.client.lease(self.fencing_token, health,
+                                              timeout=self.lease_timeout))
         except StaleFencingToken:
             self.reacquire()
         except Unauthorized:
@@ -171,7 +181,7 @@ class Connection:
 
     def reacquire(self) -> None:
         """A new grant (fencing token + 1): what an agent does after it learns it is stale."""
-        self._set_token(self.client.lease(None))
+        self._set_token(self.client.lease(None, timeout=self.lease_timeout))
 
     # -- writes --------------------------------------------------------------------------
 

@@ -83,6 +83,18 @@ class LogShipper:
     def forget(self) -> None:
         self.record.unlink(missing_ok=True)
 
+    def shipped_any(self) -> bool:
+        """Whether some of the log reached the server (by this shipper or an earlier one)."""
+        return self.offsets is not None and self.offsets.file > 0
+
+    def behind(self) -> bool:
+        """Whether the file holds bytes not shipped yet: one ``stat``, nothing read."""
+        try:
+            size = self.log_path.stat().st_size
+        except OSError:
+            return False
+        return size > (self.offsets.file if self.offsets is not None else 0)
+
     def _send(self, text: str, raw_bytes: int) -> bool:
         assert self.offsets is not None
         expected = self.offsets.server + len(text.encode())

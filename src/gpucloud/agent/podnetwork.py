@@ -16,7 +16,9 @@ members (``assignment.host_network``: they rendezvous over their nodes' addresse
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Collection
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from gpucloud.agent.ports import DEFAULT_PORT_RANGE, PortForwarder, listen_hosts
 from gpucloud.core.access import PodNetwork, PortMapping
 from gpucloud.core.models import AssignmentOut
 from gpucloud.runtime.layout import read_json, write_json_atomic
-from gpucloud.runtime.network import BridgeNetwork
+from gpucloud.runtime.network import BridgeNetwork, PodAddress
 
 log = logging.getLogger(__name__)
 NETWORK_MODES = ("bridge", "host")
@@ -103,6 +105,9 @@ class NodeNetwork:
         self.public_ip = public_ip
         self.forwarder = forwarder
         self.bridge = BridgeNetwork(state_dir, pod_cidr) if mode == "bridge" else None
+        #: Namespaces being made ahead (``prepare``), by container id.
+        self._early: dict[str, Future[PodAddress]] = {}
+        self._early_lock = threading.Lock()
 
     def start(self) -> None:
         """Bring the bridge up; reclaim what containers that are gone left behind (the
@@ -121,14 +126,45 @@ class NodeNetwork:
     def path(self, cid: str) -> Path:
         return self.containers_dir / cid / "network.json"
 
+    def prepare(self, cid: str, assignment: AssignmentOut) -> None:
+        """Start making the pod's namespace on a thread of its own (two ``ip`` runs, the
+        slowest step of a cached start), while the worker pulls, prepares the rootfs and
+        writes the bundle; ``ready`` waits for it before the container starts."""
+        if assignment.host_network or self.bridge is None:
+            return
+        bridge = self.bridge
+        future: Future[PodAddress] = Future()
+
+        def make() -> None:
+            try:
+                future.set_result(bridge.attach(cid))
+            except BaseException as error:  # noqa: BLE001 - handed to ``ready``
+                future.set_exception(error)
+
+        with self._early_lock:
+            if cid in self._early:
+                return
+            self._early[cid] = future
+        threading.Thread(target=make, name=f"netns-{cid[:16]}", daemon=True).start()
+
+    def ready(self, cid: str) -> None:
+        """Wait for the namespace ``prepare`` started; raises what making it raised."""
+        with self._early_lock:
+            future = self._early.pop(cid, None)
+        if future is not None:
+            future.result()
+
     def attach(self, cid: str, assignment: AssignmentOut) -> PodNet:
-        """Namespace (unless host networking), public ports, ``network.json``."""
+        """Namespace (unless host networking), public ports, ``network.json``. After
+        ``prepare`` only its address is taken here (the namespace is made meanwhile)."""
         host = assignment.host_network or self.bridge is None
         netns = None
         ip = self.public_ip
         if not host:
             assert self.bridge is not None
-            address = self.bridge.attach(cid)
+            with self._early_lock:
+                early = cid in self._early
+            address = self.bridge.reserve(cid) if early else self.bridge.attach(cid)
             ip, netns = address.ip, address.netns
         try:
             ports = self._ports(cid, ip, host, assignment.ports, {})
@@ -159,6 +195,10 @@ class NodeNetwork:
 
     def detach(self, cid: str) -> None:
         """Close the container's public ports and remove its namespace (idempotent)."""
+        try:
+            self.ready(cid)  # a namespace still being made is removed once made
+        except Exception as error:  # noqa: BLE001 - its making failed: remove what is left
+            log.debug("container %s: its namespace was not made: %s", cid, error)
         self.forwarder.unpublish(cid)
         if self.bridge is not None:
             self.bridge.detach(cid)

@@ -46,6 +46,7 @@ from gpucloud.gpu.mig import MigInstance, MigManager
 from gpucloud.gpu.mps import GpuSharing
 from gpucloud.images import ImageError, ImageManager
 from gpucloud.images.auth import Credentials
+from gpucloud.images.lazy.trace import mark
 from gpucloud.images.manifest import ImageConfig as StoredImageConfig
 from gpucloud.runtime.bundle import BindMount, ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import ContainerState, ContainerStatus, RuncDriver
@@ -58,6 +59,9 @@ MAX_MESSAGE = 4000
 LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 4096
 _LIVE = (ContainerState.RUNNING, ContainerState.CREATING)
+#: How long after a start, and how often, the log is watched for the first output.
+FIRST_OUTPUT_SECONDS = 2.0
+FIRST_OUTPUT_POLL_SECONDS = 0.005
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ class PodWorker:
         self._wake = threading.Event()
         self._abandoned = assignment is None
         self._net: PodNet | None = None
+        self._log_shipper: LogShipper | None = None
         #: The MIG device this attempt runs on (reported with Running).
         self._mig: MigInstance | None = None
         self._stop_wanted = assignment is not None and assignment.desired_state == "stopped"
@@ -328,8 +333,10 @@ class PodWorker:
         self._advance(PodPhase.PULLING, "Pulling", f"pulling image {assignment.image}",
                       background=True)
         launched = time.monotonic()
+        mark("agent.launch")
         try:
             status = self._create(assignment)
+            mark("agent.started")
         except ImageError as error:
             self._fail_launch(error.reason, error.message)
             return None
@@ -344,12 +351,17 @@ class PodWorker:
         if self._gated(status):
             status = self._pass_barrier()
         if status.state is not ContainerState.CREATING:
-            # The log's first chunk ships while the server takes this (see _watch).
+            # What the user waits for goes first: output printed already ships before
+            # the Running report (the server stores one write at a time), which then
+            # goes on its own thread while the watch begins.
+            self._shipper().ship()
             self._advance(PodPhase.RUNNING, "Started", None, background=True)
             self.node.metrics.start_seconds.observe(time.monotonic() - launched)
         return status
 
     def _create(self, assignment: AssignmentOut) -> ContainerStatus | None:
+        if self.node.network is not None:  # its namespace is made while the rest is
+            self.node.network.prepare(self.cid, assignment)
         pulling = time.monotonic()
         image = self.node.images.pull(assignment.image,
                                       credentials=pull_credentials(assignment))
@@ -378,6 +390,8 @@ class PodWorker:
             spec = replace(spec, gpus=(gpus[0].model_copy(update={"uuid": self._mig.uuid}),))
         driver.build(spec, rootfs, runtime_image_config(image.config), edits)
         checkpoints.install_tool(driver.paths(self.cid).run_dir)
+        if self.node.network is not None:
+            self.node.network.ready(self.cid)
         if _transparent(assignment):  # dumpable (stdio on pipes), restored from its dump
             return driver.start(self.cid, pipe_log=True,
                                 restore_from=self._restore_dump(assignment))
@@ -452,6 +466,7 @@ class PodWorker:
         full: Outcome | None = None
         disks = self._disk_limits()
         self._watch_checkpoints()
+        first_output_until = time.monotonic() + FIRST_OUTPUT_SECONDS
         while status.state in _LIVE:
             if self.node.stop.is_set():
                 raise AgentStopped
@@ -470,7 +485,7 @@ class PodWorker:
                 self._checkpoint_request()
             shipper.ship()
             self._lazy_events()
-            self._wake.wait(self.node.watch_interval)
+            self._pause(shipper, first_output_until)
             self._wake.clear()
             status = self.node.driver.status(self.cid)
         if self.checkpoints is not None:
@@ -485,6 +500,18 @@ class PodWorker:
             self._finish(outcome, self._log_tail())
         self._cleanup()
         shipper.forget()
+
+    def _pause(self, shipper: LogShipper, first_output_until: float) -> None:
+        """Wait the watch interval (or until woken). Until the pod's first output has
+        shipped, for its first ``FIRST_OUTPUT_SECONDS``, the log is looked at every
+        ``FIRST_OUTPUT_POLL_SECONDS`` (a ``stat``) and the wait ends the moment it grows,
+        so the first line reaches the user at once, not up to an interval later."""
+        deadline = time.monotonic() + self.node.watch_interval
+        while not shipper.shipped_any() and time.monotonic() < min(deadline,
+                                                                   first_output_until):
+            if self._wake.wait(FIRST_OUTPUT_POLL_SECONDS) or shipper.behind():
+                return
+        self._wake.wait(max(0.0, deadline - time.monotonic()))
 
     def _pod_checkpoints(self) -> checkpoints.PodCheckpoints | None:
         assignment = self.assignment
@@ -677,11 +704,15 @@ class PodWorker:
     # -- helpers ------------------------------------------------------------------------
 
     def _shipper(self) -> LogShipper:
-        parsed = parse_container_id(self.cid)
-        return LogShipper(self.node.conn, parsed[0] if parsed else self.cid,
-                          self.node.driver.log_path(self.cid),
-                          self.node.state_dir / "logship" / f"{self.cid}.json",
-                          attempt=parsed[1] if parsed else None)
+        """The container's log shipper (one per worker: it keeps the shipped offsets)."""
+        if self._log_shipper is None:
+            parsed = parse_container_id(self.cid)
+            self._log_shipper = LogShipper(
+                self.node.conn, parsed[0] if parsed else self.cid,
+                self.node.driver.log_path(self.cid),
+                self.node.state_dir / "logship" / f"{self.cid}.json",
+                attempt=parsed[1] if parsed else None)
+        return self._log_shipper
 
     def _log_tail(self) -> str:
         text = tail(self.node.driver.log_path(self.cid), LOG_TAIL_LINES)

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from gpucloud import __version__
 from gpucloud.access import gateway
 from gpucloud.access.proxy import ProxyMiddleware
-from gpucloud.api import errors, openapi, usage_admission
+from gpucloud.api import errors, lease_capacity, openapi, usage_admission
 from gpucloud.api import metrics as metrics_routes
 from gpucloud.api.limits import BodyLimitMiddleware
 from gpucloud.api.routers import access as access_routes
@@ -93,6 +93,8 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
             if bridge:
                 bridge.stop()
             await gateway.stop(ssh_gateway)
+            usage_admission.close(app)  # its niced ingest worker, if one started
+            lease_capacity.close(ctx.db)  # the lease renewals' own pool
             ctx.db.dispose()
 
     # Request lines (uvicorn's access log, httpx's) may hold the proxy's ?gpucloud_token=.

@@ -11,20 +11,30 @@ renewed together by the next (``services.lease_batch``; one at a time per event 
 database, so at low load a renewal is still one statement, at once). A thousand renewals a
 second then cost tens of statements and round trips, not a thousand threads' turns, which
 on a loaded machine (the GIL, a CPU shared with the controllers) is what limited them.
+
+And on PostgreSQL the renewals have a connection pool of their own (``lease_context``):
+sharing the request pool, they waited for a connection behind a storm of registrations
+that each held one while queued on a lock, and healthy nodes were marked ``Lost``. Its
+statements are bounded (``STATEMENT_TIMEOUT_MS``, ``POOL_TIMEOUT_S``): the worst answer,
+a 503, comes well inside the agent's timeout, which is itself inside the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import TypeVar
 
 import anyio
 import anyio.to_thread
+from fastapi import HTTPException
 
 from gpucloud.core.models import LeaseRequest, LeaseResponse
+from gpucloud.db.session import Database
 from gpucloud.services import lease_batch
 from gpucloud.services.context import ServiceContext
 
@@ -32,7 +42,44 @@ from gpucloud.services.context import ServiceContext
 LEASE_THREADS = 4
 #: Threads for the batched statements (one flush at a time per database and loop).
 FLUSH_THREADS = 2
+#: A lease statement that waits longer (a node row a scheduling pass holds) is cancelled.
+STATEMENT_TIMEOUT_MS = 2000
+#: The longest wait for one of the lease pool's connections.
+POOL_TIMEOUT_S = 1.0
+#: A renewal that waited in this server longer than this fraction of the TTL before its
+#: statement is refused (503), not applied late: the agent gave it up at TTL/2 and sent
+#: another, and one applied late would keep a dead agent's node alive past TTL + 2 s.
+MAX_WAIT_FRACTION = 0.5
 T = TypeVar("T")
+
+#: The lease path's own database (its own pool) per server database (PostgreSQL).
+_LEASE_DBS: weakref.WeakKeyDictionary[Database, ServiceContext] = weakref.WeakKeyDictionary()
+_LEASE_DBS_LOCK = threading.Lock()
+
+
+def lease_context(ctx: ServiceContext) -> ServiceContext:
+    """``ctx`` with the lease path's own connection pool (PostgreSQL; SQLite has a single
+    writer, and an in-memory database cannot be opened twice: ``ctx`` itself). One
+    connection per lease thread, so a renewal never waits for the request pool."""
+    if ctx.db.is_sqlite:
+        return ctx
+    with _LEASE_DBS_LOCK:
+        found = _LEASE_DBS.get(ctx.db)
+        if found is None:
+            size = LEASE_THREADS + FLUSH_THREADS
+            db = Database(ctx.db.url, pool_size=size, max_overflow=0,
+                          pool_timeout=POOL_TIMEOUT_S, connect_args={
+                              "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"})
+            found = _LEASE_DBS[ctx.db] = replace(ctx, db=db)
+        return found
+
+
+def close(db: Database) -> None:
+    """Dispose of the lease pool made for ``db`` (the server's shutdown)."""
+    with _LEASE_DBS_LOCK:
+        found = _LEASE_DBS.pop(db, None)
+    if found is not None:
+        found.db.dispose()
 
 
 @dataclass
@@ -74,20 +121,32 @@ def limiter() -> anyio.CapacityLimiter:
 
 
 async def run(function: Callable[[ServiceContext], T], ctx: ServiceContext) -> T:
-    """``function(ctx)`` on one of the lease threads."""
-    return await anyio.to_thread.run_sync(function, ctx, limiter=limiter())
+    """``function(ctx)`` on one of the lease threads, on the lease pool."""
+    return await anyio.to_thread.run_sync(function, lease_context(ctx), limiter=limiter())
 
 
-async def renew_current(ctx: ServiceContext, token: str,
-                        request: LeaseRequest) -> LeaseResponse | None:
+def check_fresh(ctx: ServiceContext, received_at: datetime | None) -> None:
+    """Refuse (503) a renewal that has waited here too long (``MAX_WAIT_FRACTION``)."""
+    if received_at is None:
+        return
+    waited = (ctx.clock.now() - received_at).total_seconds()
+    if waited > ctx.settings.lease_ttl_seconds * MAX_WAIT_FRACTION:
+        raise HTTPException(503, f"the renewal waited {waited:.1f} s in a busy server; "
+                                 "send it again")
+
+
+async def renew_current(ctx: ServiceContext, token: str, request: LeaseRequest,
+                        received_at: datetime | None = None) -> LeaseResponse | None:
     """``nodes.renew_current``, batched with the renewals that arrive meanwhile: the
-    response, or None when the full path must answer (as there)."""
+    response, or None when the full path must answer (as there). ``received_at``: when
+    the request came (the expiry counts from there; too long ago: 503, ``check_fresh``)."""
     if not lease_batch.eligible(token, request):
         return None
     state = _state()
+    ctx = lease_context(ctx)
     batcher = state.batchers.setdefault(id(ctx.db), _Batcher())
     future: asyncio.Future[LeaseResponse | None] = asyncio.get_running_loop().create_future()
-    batcher.pending.append((lease_batch.Renewal(token, request), future))
+    batcher.pending.append((lease_batch.Renewal(token, request, received_at), future))
     if not batcher.flushing:
         batcher.flushing = True
         task = asyncio.create_task(_flush(ctx, batcher, state.flushes))
@@ -105,7 +164,10 @@ async def _flush(ctx: ServiceContext, batcher: _Batcher,
     """Renew what is pending, statement after statement, until nothing is."""
     try:
         while batcher.pending:
-            taken, batcher.pending = batcher.pending, []
+            taken = _refuse_late(ctx, batcher.pending)
+            batcher.pending = []
+            if not taken:
+                continue
             try:
                 results = await anyio.to_thread.run_sync(
                     lease_batch.renew_many, ctx, [r for r, _ in taken], limiter=threads)
@@ -119,3 +181,19 @@ async def _flush(ctx: ServiceContext, batcher: _Batcher,
                     future.set_result(result)
     finally:
         batcher.flushing = False
+
+
+def _refuse_late(ctx: ServiceContext, pending: list[tuple[lease_batch.Renewal, asyncio.Future[
+        LeaseResponse | None]]]) -> list[tuple[lease_batch.Renewal,
+                                               asyncio.Future[LeaseResponse | None]]]:
+    """The pending renewals still fresh; the others get their 503 now."""
+    fresh = []
+    for renewal, future in pending:
+        try:
+            check_fresh(ctx, renewal.received_at)
+        except HTTPException as error:
+            if not future.done():
+                future.set_exception(error)
+            continue
+        fresh.append((renewal, future))
+    return fresh

@@ -41,13 +41,15 @@ import anyio
 import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gpucloud.api.errors import describe_validation
-from gpucloud.core.errors import InvalidInput
+from gpucloud.api.usage_worker import (
+    IngestUnavailable,
+    IngestWorker,
+    parse_and_ingest,
+    use_process,
+)
 from gpucloud.core.usage import AgentUsageBatchOut, AgentUsageBatchRequest
-from gpucloud.services import usage
 from gpucloud.services.context import ServiceContext
 
 #: Seconds a refused batch is told to wait (HTTP's Retry-After is whole seconds).
@@ -271,11 +273,20 @@ async def ingest(request: Request, ctx: ServiceContext, node_id: str
     """Admit, then parse, validate and store the batch on an ingest thread: none of a
     batch's JSON work runs on the event loop that serves the API calls."""
     admission = _admission(request.app)
+    worker = _worker(request.app, ctx, admission)
 
-    async def work() -> AgentUsageBatchOut:
+    async def work() -> AgentUsageBatchOut | None:
         body = await request.body()
-        return await anyio.to_thread.run_sync(_parse_and_ingest, ctx, node_id, body,
-                                              limiter=_limiter(admission))
+        if worker is None:
+            return await anyio.to_thread.run_sync(parse_and_ingest, ctx, node_id, body,
+                                                  limiter=_limiter(admission))
+        try:
+            return await anyio.to_thread.run_sync(worker.ingest, node_id, body,
+                                                  ctx.clock.now(),
+                                                  limiter=_limiter(admission))
+        except IngestUnavailable:
+            log.warning("usage ingest worker unavailable; batch shed (503)")
+            return None
 
     stored = await admission.run(work)
     if stored is None:
@@ -286,22 +297,24 @@ async def ingest(request: Request, ctx: ServiceContext, node_id: str
     return stored
 
 
-def _parse_and_ingest(ctx: ServiceContext, node_id: str, body: bytes) -> AgentUsageBatchOut:
-    """Pydantic straight from the bytes, then store. The models bound every integer to
-    BIGINT and every float to finite values, and ``usage.ingest`` refuses NUL in strings:
-    what api/limits.py's generic walk (half the CPU of a batch) would check."""
-    try:
-        batch = AgentUsageBatchRequest.model_validate_json(body)
-    except ValidationError as error:
-        raise _invalid(*describe_validation(error.errors())) from None
-    return usage.ingest(ctx, node_id, batch)
+def _worker(app: Any, ctx: ServiceContext, admission: IngestAdmission) -> IngestWorker | None:
+    """The app's niced ingest process (api/usage_worker.py), made on first use;
+    None where batches are stored in this process (SQLite, ``GPUCLOUD_USAGE_INGEST``)."""
+    if not hasattr(app.state, "usage_worker"):
+        url = ctx.settings.database_url
+        app.state.usage_worker = (
+            IngestWorker(url, slots=admission.limit, activity=ctx.settings.home / "run"
+                         / "api-activity", quiet_seconds=admission.quiet_seconds)
+            if use_process(url) else None)
+    found: IngestWorker | None = app.state.usage_worker
+    return found
 
 
-def _invalid(field: str, detail: str) -> InvalidInput:
-    """The same 422 as FastAPI's own validation gives (``detail`` already names the field)."""
-    error = InvalidInput(field, detail)
-    error.message = detail
-    return error
+def close(app: Any) -> None:
+    """Stop the app's ingest worker (at shutdown)."""
+    worker: IngestWorker | None = getattr(app.state, "usage_worker", None)
+    if worker is not None:
+        worker.close()
 
 
 _LIMITERS: dict[int, anyio.CapacityLimiter] = {}

@@ -462,11 +462,13 @@ class AgentClient(_Base):
         return self._typed(NodeRegisterResponse, "POST", "/v1/agent/register",
                            json=_body(request))
 
-    def lease(self, fencing_token: int | None,
-              health: dict[str, Any] | None = None) -> LeaseResponse:
-        """Renew the lease; ``health``: the GPUs' health and any node-level fault."""
+    def lease(self, fencing_token: int | None, health: dict[str, Any] | None = None,
+              timeout: float | None = None) -> LeaseResponse:
+        """Renew the lease; ``health``: the GPUs' health and any node-level fault;
+        ``timeout``: the agent's, inside its lease (AgentConnection.lease_timeout)."""
         return self._typed(LeaseResponse, "POST", "/v1/agent/lease",
-                           json={"fencing_token": fencing_token, **(health or {})})
+                           json={"fencing_token": fencing_token, **(health or {})},
+                           timeout=timeout)
 
     def assignments(self, revision: int | None = None, wait: float = 0) -> AssignmentsOut:
         params: dict[str, Any] = {"wait": wait}

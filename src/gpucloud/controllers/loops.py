@@ -51,11 +51,13 @@ class SchedulingController:
     def __init__(self, ctx: ServiceContext, scheduler: Scheduler | None = None) -> None:
         self.ctx = ctx
         self.scheduler = scheduler or Scheduler(ctx.settings.scheduler_profile)
+        #: Passes rebuild only the nodes that changed since the last one.
+        self.snapshots = scheduling.SnapshotCache()
 
     def tick(self) -> scheduling.PassResult:
         """Place pending pods; for those that fit nowhere, preempt lower-priority work."""
         started = time.perf_counter()
-        result = scheduling.run_pass(self.ctx, self.scheduler)
+        result = scheduling.run_pass(self.ctx, self.scheduler, cache=self.snapshots)
         metrics.observe_pass(time.perf_counter() - started,
                              {k: len(getattr(result, k)) for k in metrics.PASS_OUTCOMES})
         if result.unschedulable:
@@ -327,16 +329,32 @@ class ControllerRunner:
         self.autoscale.stop()
         self.leader.stop()
 
-    def run_once(self) -> bool:
+    def run_once(self, *, woken: bool = False) -> bool:
         """One pass of every controller; True when the scheduler left pods it did not
-        get to (its pass was full), so the next pass should not wait."""
+        get to (its pass was full), so the next pass should not wait.
+
+        ``woken``: a create (or a node's change) asked for this pass, so jobs and the
+        scheduler go first and the periodic controllers (deadlines, drains, credit,
+        retention, autoscale: tens of milliseconds together) run after them in the same
+        pass instead of in front of a pod's placement. What they change (a drained or
+        stopped pod pending again, a new worker pod) is placed by the next pass."""
         if not self._is_leader():
             return False
+        if woken:
+            backlog = self._place()
+            self._periodic()
+            return backlog
+        self._periodic()
+        return self._place()
+
+    def _periodic(self) -> None:
         self.deadlines.tick()
         self.drains.tick()
         self.credit.tick()
         self.retention.tick()
         self.autoscale.tick()
+
+    def _place(self) -> bool:
         self.jobs.tick()
         return self.scheduling.tick().considered >= scheduling.PASS_LIMIT
 
@@ -362,19 +380,22 @@ class ControllerRunner:
                 log.exception("node lease pass failed")
 
     def _run(self) -> None:
+        woken = False
         while not self._stop.is_set():
             backlog = False
             try:
-                backlog = self.run_once()
+                backlog = self.run_once(woken=woken)
             except leadership.LeaderLostError as error:
                 log.warning("controller pass stopped: %s", error)
             except OperationalError as error:
                 log.warning("controller pass failed on the database, retrying: %s", error)
             except Exception:  # noqa: BLE001 - a bug in one pass must not stop every loop
                 log.exception("controller pass failed")
-            # Passes run at most every MIN_GAP seconds, so a burst of creates is placed in
-            # batches instead of one pass per request; idle, they run every interval.
-            self._stop.wait(MIN_GAP_SECONDS)
-            if not backlog:  # a full pass left pending pods: go on at once
-                self._wake.wait(self.interval)
+            # Passes asked for run at most every MIN_GAP seconds, so a burst of creates is
+            # placed in batches instead of one pass per request; idle, they run every
+            # interval. After a periodic pass a request's pass starts at once.
+            if woken or backlog:
+                self._stop.wait(MIN_GAP_SECONDS)
+            # A full pass left pending pods: go on at once.
+            woken = self._wake.is_set() if backlog else self._wake.wait(self.interval)
             self._wake.clear()

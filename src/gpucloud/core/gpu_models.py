@@ -8,6 +8,7 @@ is in the catalog or some registered node has it.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -49,11 +50,14 @@ for _model in CATALOG:
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
 
 
+@functools.lru_cache(maxsize=4096)
 def lookup(name: str) -> GpuModel | None:
-    """The catalog entry for a canonical name or alias (case-insensitive), if any."""
+    """The catalog entry for a canonical name or alias (case-insensitive), if any.
+    Memoised: a 10,000-node snapshot asks it for each of 80,000 GPUs, of a few models."""
     return _BY_KEY.get(name.strip().lower())
 
 
+@functools.lru_cache(maxsize=4096)
 def canonical_name(name: str) -> str:
     """The canonical name of a known model, else the name itself, trimmed."""
     model = lookup(name)

@@ -39,8 +39,11 @@ def _sqlite_begin(connection: Any) -> None:
 _READ_ONLY = "gpucloud_read_only"
 
 
-def make_engine(url: str) -> Engine:
-    """An engine tuned for the backend: WAL and a busy timeout on SQLite, a pool on PG."""
+def make_engine(url: str, pool_size: int = 16, max_overflow: int = 16,
+                pool_timeout: float = 30.0, connect_args: dict[str, Any] | None = None) -> Engine:
+    """An engine tuned for the backend: WAL and a busy timeout on SQLite, a pool on PG
+    (its size, wait and connection options as given: a path with a pool of its own, the
+    lease renewals', asks for a small one that answers fast)."""
     if url.startswith("sqlite"):
         engine = create_engine(
             url, connect_args={"check_same_thread": False, "timeout": 10}, pool_size=8
@@ -48,7 +51,9 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    engine = create_engine(url, pool_size=16, max_overflow=16, pool_recycle=3600)
+    engine = create_engine(url, pool_size=pool_size, max_overflow=max_overflow,
+                           pool_timeout=pool_timeout, pool_recycle=3600,
+                           connect_args=connect_args or {})
     event.listen(engine, "checkin", _mark_idle)
     event.listen(engine, "checkout", _ping_if_idle)
     return engine
@@ -117,9 +122,10 @@ def _drop_on_commit(session: Session) -> None:
 class Database:
     """An engine and its session factory; ``transaction()`` commits or rolls back."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, **pool: Any) -> None:
+        """``pool``: ``make_engine``'s pool options (PostgreSQL)."""
         self.url = url
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, **pool)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(
             self.engine.execution_options(**{_READ_ONLY: True}), expire_on_commit=False

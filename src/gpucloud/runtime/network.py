@@ -295,11 +295,17 @@ class BridgeNetwork:
 
     # -- containers -----------------------------------------------------------------
 
+    def reserve(self, container_id: str) -> PodAddress:
+        """The container's address and namespace path, allocated (once) but not made:
+        what its bundle needs while ``attach`` makes them, on another thread."""
+        ip = self._allocate(container_id)
+        return PodAddress(container_id, ip, str(self.netns_path(container_id)),
+                          str(self.gateway), self._subnet.prefixlen)
+
     def attach(self, container_id: str) -> PodAddress:
         """The container's namespace, veth and address; made once, then returned."""
-        ip = self._allocate(container_id)
-        address = PodAddress(container_id, ip, str(self.netns_path(container_id)),
-                             str(self.gateway), self._subnet.prefixlen)
+        address = self.reserve(container_id)
+        ip = address.ip
         try:
             if not self._ready(container_id, ip):
                 self._plumb(container_id, ip)

@@ -10,7 +10,9 @@ keeps off /proc, /sys, /dev and /).
 
 from __future__ import annotations
 
+import json
 import resource
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +53,16 @@ def capabilities() -> dict[str, list[str]]:
 
 
 def seccomp_profile() -> dict[str, Any]:
-    """Docker's default seccomp profile resolved for the capabilities pods get."""
-    return seccomp.profile(DEFAULT_CAPABILITIES)
+    """Docker's default seccomp profile resolved for the capabilities pods get: a fresh
+    copy of it (the caller may change it), resolved once per process (milliseconds of
+    every pod's start otherwise; the host's architecture and kernel do not change)."""
+    loaded: dict[str, Any] = json.loads(_resolved_seccomp())
+    return loaded
+
+
+@cache
+def _resolved_seccomp() -> str:
+    return json.dumps(seccomp.profile(DEFAULT_CAPABILITIES))
 
 
 def standard_mounts(shm_size_bytes: int) -> list[dict[str, Any]]:

@@ -10,7 +10,10 @@ and detached from it (fork + setsid, so it survives the agent):
    once runc create exits, the container's PID 1 is re-parented to this process;
 2. it brings up loopback in a private network namespace, then ``runc start``; a *gated*
    supervisor (``--gated``, the start barrier of jobs) first reports ``created PID`` and
-   waits for ``start.release`` (or a stop request) before starting the command;
+   waits for ``start.release`` (or a stop request) before starting the command. When
+   nothing has to happen between the two (not gated, no restore, no private namespace:
+   the agent's namespaces have loopback up), one ``runc run --detach`` does both, one
+   runc process fewer on a pod's start; a stop that arrives meanwhile applies once it runs;
 3. it waits for PID 1 with ``waitpid`` (an exact exit status), reads the memory cgroup's
    OOM counter before the cgroup goes away, writes ``exit.json``, and ``runc delete``s.
 
@@ -153,7 +156,12 @@ class Supervisor:
         self.runc_command = [runc, "--root", str(runc_root), "--log", str(paths.runc_log),
                              "--log-format", "json"]
         self.container_pid: int | None = None
+        #: ``runc run --detach`` instead of create, then start: one runc process fewer
+        #: when nothing has to happen in between (see ``run``).
+        self.at_once = False
         self.exited = False
+        #: The stop request reached the container (SIGTERM sent, grace timer set).
+        self.stop_applied = False
         self.stop_requested = False
         self.killed_after_grace = False
         self.cgroup_dir: Path | None = None
@@ -173,6 +181,7 @@ class Supervisor:
         self.stop_requested = True
         if self.container_pid is None or self.exited:
             return
+        self.stop_applied = True
         _log(f"stop requested, grace {grace}s" + (", process group" if group else ""))
         if group:
             self._signal_all(signal.SIGTERM)
@@ -238,7 +247,8 @@ class Supervisor:
                            "--bundle", str(self.paths.root), "--pid-file", str(pid_file),
                            self.paths.container_id, log_fd=log_fd, stdin_fd=stdin_fd)
             else:
-                self._runc("create", "--bundle", str(self.paths.root), "--pid-file",
+                verb = ["run", "--detach"] if self.at_once else ["create"]
+                self._runc(*verb, "--bundle", str(self.paths.root), "--pid-file",
                            str(pid_file), self.paths.container_id, log_fd=log_fd,
                            stdin_fd=stdin_fd)
         finally:
@@ -322,6 +332,10 @@ class Supervisor:
         if self.restore_from is not None:
             self._resume_gpus()
             return
+        if self.at_once:  # ``runc run`` started it; a stop that came meanwhile applies now
+            if self.stop_requested and not self.stop_applied:
+                self._on_stop_request(signal.SIGUSR1, None)
+            return
         if _has_private_network(self.paths.config):
             _loopback_up(pid)
         if self.stop_requested:
@@ -359,6 +373,12 @@ class Supervisor:
             _log("cannot become a child subreaper; exit status will not be exact")
         self.install_signal_handlers()
         write_json_atomic(self.paths.supervisor_pid, os.getpid())
+        # Created and started by one runc process unless something must happen between
+        # the two: the start barrier, a restore, loopback of a private namespace (an
+        # agent-made namespace has it up already).
+        self.at_once = (not gated and self.restore_from is None
+                        and not _has_private_network(self.paths.config))
+        launched_at = time.time()
         try:
             pid = self._create()
         except SupervisorError as error:
@@ -372,7 +392,7 @@ class Supervisor:
             self._report(report, f"created {pid}", 0)
             report = -1  # the one status line went out: later ones are not written
             self._await_release()
-        started_at = time.time()
+        started_at = launched_at if self.at_once else time.time()
         try:
             self._start(pid)
         except SupervisorError as error:

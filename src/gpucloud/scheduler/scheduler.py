@@ -7,6 +7,8 @@ mutated (the scheduler works on its own ``ClusterState`` copy of the snapshot).
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +49,11 @@ class Scheduler:
         self._workload = list(workload) if workload is not None else None
         self._seed = seed
         self._registry.build(self._config, {"workload": ()})  # fail fast on bad plugin names
+        #: The last snapshots and the states built from them (never committed to): the
+        #: next ``schedule`` reloads only the nodes that are new objects
+        #: (``ClusterState.reloaded``). Two, as the pass and preemption alternate.
+        self._built: deque[tuple[tuple[NodeState, ...], ClusterState]] = deque(maxlen=2)
+        self._lock = threading.Lock()
 
     def framework(self, state: ClusterState, workload: Sequence[PodRequest]) -> Framework:
         """A framework running this profile on ``state`` (used by the simulator too)."""
@@ -54,10 +61,28 @@ class Scheduler:
         return Framework(profile, state, self._seed)
 
     def schedule(self, nodes: Sequence[NodeState], pods: Sequence[PodRequest]) -> list[Decision]:
-        state = ClusterState.from_nodes(nodes)
+        state = self.cluster_state(nodes)
         workload = self._workload if self._workload is not None else pods
         framework = self.framework(state, workload)
         return [_decision(pod, framework.schedule(pod), state) for pod in pods]
+
+
+    def cluster_state(self, nodes: Sequence[NodeState]) -> ClusterState:
+        """A fresh working state for ``nodes``, reusing the rows of the last one built for
+        the nodes passed again as the same (immutable) objects."""
+        snapshot = tuple(nodes)
+        with self._lock:
+            built = list(self._built)
+        base = None
+        for old, state in reversed(built):  # the newest first
+            base = state.reloaded(old, snapshot)
+            if base is not None:
+                break
+        if base is None:
+            base = ClusterState.from_nodes(snapshot)
+        with self._lock:
+            self._built.append((snapshot, base))
+        return base.copy()
 
 
 def _decision(pod: PodRequest, outcome: Outcome, state: ClusterState) -> Decision:

@@ -5,7 +5,9 @@ thousands of renewals a second one statement each costs a thread, a pooled conne
 a round trip apiece; here the renewals that arrived together are renewed by one statement
 with the same guard checked per row: the node token by its hash, the fencing token, the
 grant still current (``Ready``, not lapsed) and, for an agent that would uncordon, no
-cordon reason. Every row gets the same expiry (``now`` + TTL at the statement). A renewal
+cordon reason. Every row gets the same expiry: TTL after the earliest receipt among them
+(a renewal that waited in a busy server extends the lease from when it came, so a node
+whose agent died is not kept alive by its last renewal's queueing). A renewal
 the statement did not match gets None: the caller then takes the full path, which gives it
 its own answer (401, 409, a new grant), exactly as after ``renew_current``.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import select, tuple_, update
 
@@ -31,6 +33,9 @@ CHUNK = 1000
 class Renewal:
     token: str
     request: LeaseRequest
+    #: when the server received it (its clock): the new expiry counts from there, not
+    #: from when a busy server got round to it (None: from the statement's ``now``)
+    received_at: datetime | None = None
 
 
 def eligible(token: str | None, request: LeaseRequest) -> bool:
@@ -56,7 +61,9 @@ def _renew_chunk(ctx: ServiceContext, renewals: list[Renewal], indices: list[int
                  auto_uncordon: bool, out: list[LeaseResponse | None]) -> None:
     now = ctx.clock.now()
     ttl = ctx.settings.lease_ttl_seconds
-    expires = now + timedelta(seconds=ttl)
+    expires = min([now, *(r.received_at for i in indices
+                          if (r := renewals[i]).received_at is not None)]
+                  ) + timedelta(seconds=ttl)
     by_hash: dict[str, list[int]] = defaultdict(list)
     for i in indices:
         by_hash[hash_secret(renewals[i].token)].append(i)

@@ -68,14 +68,31 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegi
     """Register (or re-register) a node by name; a new node token and a new lease grant.
 
     A re-registering node keeps its id and pods; its fencing token moves on, so writes of
-    any earlier incarnation of the agent are refused from now on.
+    any earlier incarnation of the agent are refused from now on. Only a new node spends
+    a use of the join token, by a statement of its own, before the transaction (given
+    back if the registration fails): no lock on the token's row while the node is
+    written (services/join_tokens).
     """
     now = ctx.clock.now()
+    with ctx.db.read() as session:
+        known = session.scalar(select(NodeModel.id).where(NodeModel.name == request.name))
+        if known is not None:
+            join_tokens.check(session, request.join_token, now)
+    spent = None if known is not None else join_tokens.spend(ctx, request.join_token, now)
+    try:
+        return _register(ctx, request, now)
+    except BaseException:
+        if spent is not None:
+            join_tokens.refund(ctx, spent)
+        raise
+
+
+def _register(ctx: ServiceContext, request: NodeRegisterRequest,
+              now: datetime) -> NodeRegisterResponse:
     secret = new_secret("gpn")
     ttl = ctx.settings.lease_ttl_seconds
     gateway_keys = gateway_public_keys(ctx.settings.home)
     with ctx.db.transaction() as session:
-        join_tokens.use(session, request.join_token, now)
         node = session.scalar(select(NodeModel).where(NodeModel.name == request.name))
         if node is not None:  # its old token is refused from now on, on every replica
             on_commit(session, ctx.cache.clear)
@@ -151,8 +168,13 @@ def authenticate_node(ctx: ServiceContext, token: str | None) -> str:
         ).first()
     if row is None or not secret_matches(token, row[1]):
         raise Unauthorized("invalid node token")
-    ctx.cache.put(_NODE_TOKEN + row[1], str(row[0]))
+    remember_node(ctx, row[1], str(row[0]))
     return str(row[0])
+
+
+def remember_node(ctx: ServiceContext, token_hash: str, node_id: str) -> None:
+    """Cache a node token just authenticated (by its hash) for ``cached_node``."""
+    ctx.cache.put(_NODE_TOKEN + token_hash, node_id)
 
 
 def renew_current(ctx: ServiceContext, token: str, request: LeaseRequest) -> LeaseResponse | None:
@@ -206,10 +228,12 @@ def _apply_health(node: NodeModel, health: LeaseRequest) -> None:
 
 
 def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None,
-                health: LeaseRequest | None = None) -> LeaseResponse:
+                health: LeaseRequest | None = None,
+                received_at: datetime | None = None) -> LeaseResponse:
     """Renew the current grant, or make a new one (token + 1) when asked or when it lapsed.
 
-    A token that is not the current one is stale: 409, nothing changes.
+    A token that is not the current one is stale: 409, nothing changes. A renewal's new
+    expiry counts from ``received_at`` (when the server got it) where given.
     """
     now = ctx.clock.now()
     ttl = ctx.settings.lease_ttl_seconds
@@ -235,7 +259,7 @@ def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None,
             _announce(session, node.id)
             retry_unschedulable(session)
         else:
-            node.lease_expires_at = now + timedelta(seconds=ttl)
+            node.lease_expires_at = min(now, received_at or now) + timedelta(seconds=ttl)
             node.lease_renewed_at = now  # a lost node's runs end here (services/meter)
         assert node.lease_expires_at is not None
         return LeaseResponse(fencing_token=node.fencing_token,

@@ -15,6 +15,7 @@ from gpucloud.core.phases import ACTIVE_PHASE_VALUES, PodPhase
 from gpucloud.core.policy import QuotaOut, QuotaSetRequest
 from gpucloud.db.models import NodeModel, PodModel, ProjectModel, QuotaModel
 from gpucloud.scheduler.quota import Ledger, Quota
+from gpucloud.services import gpu_milli
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.projects import Principal
 
@@ -74,17 +75,18 @@ def load_ledger(session: Session, now: datetime,
     models = _gpu_models(node_gpus if node_gpus is not None
                          else session.execute(select(NodeModel.id, NodeModel.gpus)))
     held = session.execute(
-        select(PodModel.project_id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,
-               PodModel.memory_bytes)
+        select(PodModel.project_id, PodModel.node_id, gpu_milli.as_text(PodModel.gpu_milli),
+               PodModel.cpu_milli, PodModel.memory_bytes)
         .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None))).all()
     reserved = session.execute(
-        select(PodModel.project_id, PodModel.nominated_node_id, PodModel.nominated_gpu_milli,
+        select(PodModel.project_id, PodModel.nominated_node_id,
+               gpu_milli.as_text(PodModel.nominated_gpu_milli),
                PodModel.cpu_milli, PodModel.memory_bytes)
         .where(PodModel.phase == PodPhase.PENDING.value,
                PodModel.nominated_node_id.is_not(None),
                PodModel.nominated_until > now)).all()
-    for project, node_id, gpu_milli, cpu_milli, memory_bytes in [*held, *reserved]:
-        for index, milli in (gpu_milli or {}).items():
+    for project, node_id, milli_text, cpu_milli, memory_bytes in [*held, *reserved]:
+        for index, milli in gpu_milli.pairs(milli_text):  # (JSON parsed once per value)
             ledger.add(project, models.get((node_id or "", int(index)), "unknown"), milli)
         ledger.hold(project, cpu_milli, memory_bytes)
     return ledger

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -73,8 +73,10 @@ _BELONGS = text(
 _NO_GPUS = "[]"
 
 
-def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest) -> AgentUsageBatchOut:
-    """Store a node's samples; all or nothing (a refused batch stores none)."""
+def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest,
+           before_commit: Callable[[Session], None] | None = None) -> AgentUsageBatchOut:
+    """Store a node's samples; all or nothing (a refused batch stores none).
+    ``before_commit`` runs last in the transaction (api/usage_worker.py: the commit mode)."""
     now = ctx.clock.now()
     samples = _unique(batch.samples)
     _check_times(batch.samples, now)
@@ -85,6 +87,8 @@ def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest) -> 
         check_token(token, batch.fencing_token)
         _check_belongs(session, node_id, str(name), {(s.pod_id, s.attempt) for s in samples})
         accepted = _insert(session, node_id, samples, now)
+        if before_commit is not None:
+            before_commit(session)
     return AgentUsageBatchOut(accepted=accepted, duplicates=len(batch.samples) - accepted)
 
 

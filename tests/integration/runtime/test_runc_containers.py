@@ -260,9 +260,11 @@ def test_two_agents_run_the_same_container_id_side_by_side(
     try:
         for agent, word in ((driver, "first"), (other, "second")):
             start(agent, busybox_rootfs,
-                  f"echo {word}; trap 'exit 0' TERM; while true; do sleep 0.05; done")
+                  f"trap 'exit 0' TERM; echo {word}; while true; do sleep 0.05; done")
         assert {driver.status("c1").state, other.status("c1").state} == {ContainerState.RUNNING}
         for agent, word in ((driver, "first"), (other, "second")):
+            # Its trap is set once it printed (PID 1 ignores a TERM it has no handler for).
+            wait_until(lambda a=agent: a.log_path("c1").read_bytes() != b"", what="output")
             agent.stop("c1", grace_seconds=10)
             info = agent.wait("c1", timeout=10)
             assert info is not None and info.exit_code == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from functools import partial
 
 from fastapi import APIRouter, Query, Request, Response
@@ -25,6 +26,7 @@ from gpucloud.core.phases import PodPhase
 from gpucloud.core.usage import AgentUsageBatchOut
 from gpucloud.services import (
     agent,
+    assignment_answers,
     auth_guard,
     gangs,
     metrics,
@@ -57,45 +59,67 @@ def register(body: NodeRegisterRequest, ctx: Ctx, request: Request) -> NodeRegis
     return response
 
 
-@router.post("/lease")
+@router.post("/lease", responses={
+    503: {"model": ErrorOut, "description": "The renewal waited too long in a busy server "
+                                            "(over half the TTL): not applied; send it again"}})
 async def lease(body: LeaseRequest, ctx: Ctx, credential: NodeToken) -> LeaseResponse:
     """One statement while the grant is current (``nodes.renew_current``: the token
     checked inside it); the full path for a new grant, a stale token, health news.
     Renewals arriving together share one statement, on the lease's own threads
-    (api/lease_capacity.py): other routes' load cannot queue in front of a renewal."""
-    response = (await lease_capacity.renew_current(ctx, credential.token, body)
+    (api/lease_capacity.py): other routes' load cannot queue in front of a renewal.
+    The new expiry counts from the renewal's arrival, and one that waited here over half
+    the TTL is refused (``lease_capacity.check_fresh``): nothing renews a lease late, on
+    behalf of an agent that may have died meanwhile."""
+    received_at = ctx.clock.now()
+    response = (await lease_capacity.renew_current(ctx, credential.token, body, received_at)
                 if credential.token else None)
     if response is None:
-        response = await lease_capacity.run(partial(_renew_full, body, credential), ctx)
+        response = await lease_capacity.run(
+            partial(_renew_full, body, credential, received_at), ctx)
     metrics.LEASES_RENEWED.inc()
     return response
 
 
-def _renew_full(body: LeaseRequest, credential: NodeCredential,
+def _renew_full(body: LeaseRequest, credential: NodeCredential, received_at: datetime,
                 ctx: ServiceContext) -> LeaseResponse:
-    return nodes.renew_lease(ctx, credential.authenticate(ctx), body.fencing_token, body)
+    lease_capacity.check_fresh(ctx, received_at)
+    return nodes.renew_lease(ctx, credential.authenticate(ctx), body.fencing_token, body,
+                             received_at)
 
 
 @router.get("/assignments")
-async def assignments(ctx: Ctx, node_id: NodeId,
+async def assignments(ctx: Ctx, credential: NodeToken,
                       wait: float = Query(default=0, ge=0, le=60),
                       revision: int | None = Query(default=None)) -> AssignmentsOut:
     """Long poll: returns once the node's revision differs from ``revision``, or at ``wait``.
 
-    A change committed in this process wakes the poll at once (``wakeups``), and so does
-    one committed on another replica (its ``LISTEN/NOTIFY`` hint, services/notify.py);
-    the fallback for a lost hint is one query per process every ``POLL_SECONDS`` that
-    reads the revisions of all waiting nodes at once (services/revision_watch.py).
+    One cheap query while nothing changed: the node's revision, read with its token's
+    authentication (``assignment_answers.poll_state``). A change committed in this process
+    wakes the poll at once (``wakeups``), and so does one committed on another replica
+    (its ``LISTEN/NOTIFY`` hint, services/notify.py); the fallback for a lost hint is one
+    query per process every ``POLL_SECONDS`` that reads the revisions of all waiting nodes
+    at once (services/revision_watch.py). A woken poll re-reads the revision only; the
+    full answer is built when it moved, and a poll that ends on an unchanged revision gets
+    the answer kept for it (``assignment_answers``). The first read comes before the
+    poll listens (it finds the node); a change committed in that instant is caught by
+    the watcher, which wakes a node whose revision moved since it last looked.
     """
     deadline = time.monotonic() + wait
-    while revision is not None and time.monotonic() < deadline:
+    node_id, current = await run_in_threadpool(
+        auth_guard.authenticated, ctx, credential.limit_keys,
+        partial(assignment_answers.poll_state, ctx, credential.token))
+    waited = False
+    while revision is not None and current == revision and time.monotonic() < deadline:
         with wakeups.ASSIGNMENTS.listen(node_id) as woken:
-            current = await run_in_threadpool(agent.assignments_revision, ctx, node_id)
-            if current != revision:
-                break
+            if waited:  # listening before the read: a change between them wakes us
+                current = await run_in_threadpool(agent.assignments_revision, ctx, node_id)
+                if current != revision:
+                    break
+            waited = True
             revision_watch.watcher(ctx, lambda: POLL_SECONDS)
             await wakeups.wait(woken, max(0.0, deadline - time.monotonic()))
-    return await run_in_threadpool(agent.assignments, ctx, node_id)
+    unchanged = current if waited and current == revision else None
+    return await run_in_threadpool(assignment_answers.ANSWERS.answer, ctx, node_id, unchanged)
 
 
 @router.post("/pods/{pod_id}/status")

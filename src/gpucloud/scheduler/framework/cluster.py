@@ -143,6 +143,37 @@ class ClusterState:
         state.classify_nodes()
         return state
 
+    def reloaded(self, old: Sequence[NodeState], new: Sequence[NodeState]) -> ClusterState | None:
+        """The state ``from_nodes(new)`` would build, made from this one (built from ``old``,
+        never committed to) by reloading only the rows whose ``NodeState`` is not the very
+        same object: at 10,000 nodes a pass changes a few hundred, and loading every GPU of
+        every node again was most of a pass. None when the rows do not line up (a node
+        added or removed, more GPUs on a node than columns) or most rows changed: build
+        afresh then."""
+        if len(old) != len(new) or self.version or any(
+                len(node.gpus) > self.max_gpus for node in new):
+            return None
+        changed = [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a is not b]
+        if len(changed) > len(new) // 2 or any(old[i].name != new[i].name for i in changed):
+            return None  # mostly new (the simulator's every step): a fresh build is cheaper
+        state = self.copy()
+        for i in changed:
+            state._clear_row(i)
+            state._load_node(i, new[i])
+        if changed:
+            state.refresh_summaries()
+            state.classify_nodes()
+        return state
+
+    def _clear_row(self, i: int) -> None:
+        """A row as ``__init__`` leaves it, before ``_load_node`` fills it again."""
+        for name in ("gpu_exists", "gpu_free", "gpu_mem_mib", "numa", "nvlink", "pcie",
+                     "mig_capable", "mig_used", "mig_mode", "mig_on", "mig_layout_id",
+                     "gpu_mem_free"):
+            getattr(self, name)[i] = 0
+        self.gpu_model[i] = -1
+        self.node_model[i] = -1
+
     def classify_nodes(self) -> None:
         """Group nodes whose loaded state is identical (see ``node_class``)."""
         if not self.num_nodes:
@@ -234,6 +265,8 @@ class ClusterState:
         other.__dict__.update(self.__dict__)
         for key, value in self.__dict__.items():
             if isinstance(value, np.ndarray):
+                other.__dict__[key] = value.copy()
+            elif isinstance(value, list | dict):  # rows reloaded in one copy stay its own
                 other.__dict__[key] = value.copy()
         other.extensions = {}
         return other

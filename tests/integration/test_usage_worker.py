@@ -1,0 +1,161 @@
+"""Usage ingest in its niced worker process (api/usage_worker.py): batches are stored
+there, at background priority (its PostgreSQL backends too), and a worker that dies is
+replaced without a sample lost or counted twice."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import struct
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from gpucloud.api.usage_admission import _admission, app_activity
+from gpucloud.api.usage_worker import (
+    APPLICATION_NAME,
+    MODE_ENV,
+    CommitMode,
+    IngestWorker,
+    parse_and_ingest,
+)
+from gpucloud.core.clock import ManualClock
+from gpucloud.services.context import ServiceContext
+from tests.integration.conftest import agent_headers
+
+
+@pytest.fixture(autouse=True)
+def _process_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MODE_ENV, "process")  # SQLite too (default there: threads)
+
+
+def _pod_on_node(api: TestClient, register_node: Callable[..., dict[str, Any]],
+                 schedule: Callable[[], Any]) -> tuple[dict[str, Any], str]:
+    reg = register_node("gpu-1")
+    pod = api.post("/v1/pods", json={"name": "p", "image": "busybox", "gpus": 1,
+                                     "command": ["sleep", "9"]}).json()
+    schedule()
+    return reg, pod["id"]
+
+
+def _post(api: TestClient, reg: dict[str, Any], pod_id: str, seqs: range,
+          clock: ManualClock, token: int = 1) -> Any:
+    samples = [{"pod_id": pod_id, "attempt": 1, "seq": seq,
+                "time": (clock.now() - timedelta(seconds=10 - seq)).isoformat(),
+                "cpu_seconds": float(seq), "memory_bytes": 1 << 20,
+                "memory_peak_bytes": 1 << 20, "gpus": []} for seq in seqs]
+    return api.post("/v1/agent/usage", headers=agent_headers(reg),
+                    json={"fencing_token": token, "samples": samples})
+
+
+def _worker(api: TestClient) -> IngestWorker:
+    worker: IngestWorker = api.app.state.usage_worker  # type: ignore[attr-defined]
+    return worker
+
+
+def _stored(ctx: ServiceContext) -> int:
+    with ctx.db.read() as session:
+        return int(session.execute(text("SELECT count(*) FROM usage_samples")).scalar_one())
+
+
+def _niced(pids: list[int]) -> list[int]:
+    """The nice levels of those processes' threads (a gone one: left out)."""
+    levels = []
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir() if Path(f"/proc/{pid}").exists() else ():
+            with contextlib.suppress(ProcessLookupError):
+                levels.append(os.getpriority(os.PRIO_PROCESS, int(task.name)))
+    return levels
+
+
+def _until(condition: Callable[[], bool], seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_batches_are_stored_by_a_worker_niced_while_api_calls_run(
+    api: TestClient, register_node: Callable[..., dict[str, Any]],
+    schedule: Callable[[], Any], clock: ManualClock, app_ctx: ServiceContext,
+) -> None:
+    reg, pod_id = _pod_on_node(api, register_node, schedule)
+    _until(lambda: not _admission(api.app).busy())  # the pod's create is over
+    assert _post(api, reg, pod_id, range(3), clock).json() == {"accepted": 3, "duplicates": 0}
+    pid = _worker(api).pid()
+    assert pid is not None and pid != os.getpid()
+    stale = _post(api, reg, pod_id, range(3, 5), clock, token=7)
+    assert stale.status_code == 409 and "fencing token" in stale.json()["detail"]
+    assert _stored(app_ctx) == 3
+    backends: list[int] = []
+    if not app_ctx.db.is_sqlite:
+        with app_ctx.db.read() as session:
+            backends = list(session.execute(text(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = :name"),
+                {"name": APPLICATION_NAME}).scalars())
+        assert backends
+    # quiet: normal priority; an API call (a create): its 2 ingest threads and its
+    # backends at nice 19 within milliseconds, back to 0 once the API is quiet again
+    _until(lambda: set(_niced([pid, *backends])) == {0})
+    app_activity(api.app).touch()
+    _until(lambda: _niced([pid]).count(19) == 2 and all(
+        level == 19 for level in _niced(backends)))
+    _until(lambda: set(_niced([pid, *backends])) == {0})
+
+
+def test_a_dead_worker_is_replaced_and_nothing_is_lost_or_doubled(
+    api: TestClient, register_node: Callable[..., dict[str, Any]],
+    schedule: Callable[[], Any], clock: ManualClock, app_ctx: ServiceContext,
+) -> None:
+    reg, pod_id = _pod_on_node(api, register_node, schedule)
+    assert _post(api, reg, pod_id, range(3), clock).status_code == 200
+    worker = _worker(api)
+    first = worker.pid()
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    resent = _post(api, reg, pod_id, range(6), clock)  # the spool resends 0-2 with 3-5
+    assert resent.status_code in (200, 503)
+    if resent.status_code == 503:  # met the dying worker: nothing acknowledged, resend
+        assert resent.headers["Retry-After"] == "1"
+        resent = _post(api, reg, pod_id, range(6), clock)
+    assert resent.json() == {"accepted": 3, "duplicates": 3}
+    assert worker.pid() not in (None, first) and worker.restarts == 1
+    assert _stored(app_ctx) == 6
+
+
+def test_while_api_calls_run_a_batch_commits_lazily_and_is_answered_once_durable(
+    api: TestClient, register_node: Callable[..., dict[str, Any]],
+    schedule: Callable[[], Any], clock: ManualClock, app_ctx: ServiceContext,
+    tmp_path: Path,
+) -> None:
+    if app_ctx.db.is_sqlite:
+        pytest.skip("PostgreSQL's commit mode")
+    reg, pod_id = _pod_on_node(api, register_node, schedule)
+    stamp = tmp_path / "api-activity"
+    stamp.write_bytes(struct.pack("dd", time.monotonic(), time.monotonic()))  # a create now
+    mode = CommitMode(app_ctx.db, stamp, quiet_seconds=60)
+    body = json.dumps({"fencing_token": reg["fencing_token"], "samples": [
+        {"pod_id": pod_id, "attempt": 1, "seq": 0, "time": clock.now().isoformat(),
+         "cpu_seconds": 1.0, "memory_bytes": 1, "memory_peak_bytes": 1}]}).encode()
+    deferred: list[bool] = []
+    out = parse_and_ingest(app_ctx, reg["node_id"], body, mode.before_commit(deferred))
+    assert deferred == [True] and out.accepted == 1
+    with app_ctx.db.read() as session:
+        committed = session.execute(text("SELECT pg_current_wal_insert_lsn()")).scalar_one()
+    mode.wait_flushed()
+    with app_ctx.db.read() as session:
+        flushed = session.execute(text("SELECT pg_current_wal_flush_lsn() >= CAST(:lsn AS "
+                                        "pg_lsn)"), {"lsn": str(committed)}).scalar_one()
+    assert flushed and _stored(app_ctx) == 1
+    quiet = CommitMode(app_ctx.db, stamp, quiet_seconds=0)  # no API call: a plain commit
+    again: list[bool] = []
+    parse_and_ingest(app_ctx, reg["node_id"], body, quiet.before_commit(again))
+    assert again == []
