@@ -79,6 +79,7 @@ sys.path.insert(0, str(ROOT))
 from tests.e2e.cluster import Cloud, clean_node, running_cloud  # noqa: E402
 
 from gpucloud.images.client import RegistryClient  # noqa: E402
+from gpucloud.images.lazy import trace  # noqa: E402
 from gpucloud.images.lazy.client import LazyfsClient  # noqa: E402
 from gpucloud.images.lazy.optimize import OptimizeOptions, optimize  # noqa: E402
 from gpucloud.images.testing import build_image, busybox_files, make_layer  # noqa: E402
@@ -436,7 +437,9 @@ def lazyfs_prefetched(state_dir: Path) -> tuple[int, int]:
 
 
 def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
-             measure_reads: Workload | None) -> tuple[Run, dict[str, Any] | None]:
+             measure_reads: Workload | None, trace_to: Path | None = None
+             ) -> tuple[Run, dict[str, Any] | None]:
+    trace.set_path(str(trace_to) if trace_to else None)  # before the agent and daemon start
     agent = cloud.agent(name)
     assert agent.process is not None
     try:
@@ -449,6 +452,7 @@ def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
         before_bytes = relay.bytes_down
         before_cpu = node_cpu_seconds(agent.process.pid, agent.state_dir)
         start = time.perf_counter()
+        trace.mark("bench.create")
         pod = cloud.create_pod(name, image, ["sh", "/app/start.sh"])
         deadline = start + 900
         while READY not in cloud.client.pod_logs(pod.id).text:
@@ -456,6 +460,7 @@ def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
                 raise RuntimeError(f"{name}: no {READY} in 900 s: {cloud.client.get_pod(pod.id)}")
             time.sleep(0.01)
         seconds = time.perf_counter() - start
+        trace.mark("bench.ready")
         fetched = relay.bytes_down - before_bytes
         prefetched, priority = lazyfs_prefetched(agent.state_dir)
         cpu = node_cpu_seconds(agent.process.pid, agent.state_dir) - before_cpu
@@ -565,6 +570,13 @@ def main() -> None:
     parser.add_argument("--mb", type=int, help="image size in MB (default 1100, quick 200)")
     parser.add_argument("--chunk-mib", type=float, default=1.0,
                         help="eStargz chunk size of large files (converter default: 4)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="where the JSON goes (default bench/results/lazy_pull.json)")
+    parser.add_argument("--forms", nargs="+", choices=("full", "lazy"),
+                        default=["full", "lazy"], help="which forms to run (default both)")
+    parser.add_argument("--trace", type=Path, metavar="DIR",
+                        help="write each run's timeline (GPUCLOUD_LAZY_TRACE) under DIR and "
+                        "report its phases (images/lazy/trace.py)")
     args = parser.parse_args()
     total = (args.mb or (200 if args.quick else 1100)) * 1_000_000
     chunk_size = int(args.chunk_mib * MiB)
@@ -596,22 +608,34 @@ def main() -> None:
         forms = {"full": f"{relay.host}/bench/app:full",
                  "lazy": f"{relay.host}/bench/app:esgz"}
         for form, image in forms.items():
+            if form not in args.forms:
+                continue
             for rtt in args.rtt_ms:
                 relay.set_rtt(rtt)
-                runs, reads = [], None
+                runs, reads, timelines = [], None, []
                 for number in range(args.runs):
                     last = number == args.runs - 1 and rtt == args.rtt_ms[0]
-                    run, measured = cold_run(cloud, relay, image, f"{form}-{int(rtt)}-{number}",
-                                             work if last else None)
+                    name = f"{form}-{int(rtt)}-{number}"
+                    trace_to = args.trace / f"{name}.jsonl" if args.trace else None
+                    if trace_to is not None:
+                        trace_to.parent.mkdir(parents=True, exist_ok=True)
+                        trace_to.unlink(missing_ok=True)
+                    run, measured = cold_run(cloud, relay, image, name,
+                                             work if last else None, trace_to)
                     runs.append(run)
                     reads = measured or reads
                     print(f"{form} rtt {rtt} ms run {number}: {run}", file=sys.stderr)
+                    if trace_to is not None:
+                        timelines.append(trace.summarize(trace.load(str(trace_to))))
+                        print(json.dumps(timelines[-1]), file=sys.stderr)
                 result.setdefault(form, {})[f"rtt_{rtt:g}ms"] = summary(runs)
+                if timelines:
+                    result[form][f"rtt_{rtt:g}ms"]["timelines"] = timelines
                 if reads is not None:
                     result[form]["cached_reads"] = reads
     finish(result, work, args.rtt_ms[0])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
@@ -641,8 +665,9 @@ def finish(result: dict[str, Any], work: Workload, rtt: float) -> None:
         why = result.get("lazy_not_measured", "no lazy runs")
         print(f"lazy path not measured: {why}", file=sys.stderr)
         return
-    full = result["full"][key]
-    result["speedup"] = round(full["p50_seconds"] / lazy["p50_seconds"], 2)
+    full = result.get("full", {}).get(key)
+    result["speedup"] = (round(full["p50_seconds"] / lazy["p50_seconds"], 2)
+                         if full is not None else None)  # None: --forms lazy
     # Wire bytes before READY (TOC included) less the daemon's background prefetch.
     result["fetched_over_read"] = round(
         lazy["bytes_fetched_without_prefetch_p50"] / work.read_bytes, 3)

@@ -19,6 +19,7 @@ from gpucloud.images.client import RegistryClient
 from gpucloud.images.errors import ImageNotFound, InvalidImage
 from gpucloud.images.lazy.client import LazyfsClient
 from gpucloud.images.lazy.mounter import LazyMounter
+from gpucloud.images.lazy.trace import mark
 from gpucloud.images.manifest import (
     Manifest,
     Platform,
@@ -109,7 +110,10 @@ class ImageManager:
             if cached is not None:
                 return cached
         if credentials is None:
-            return self._puller.pull(ref, on_progress)
+            mark("images.pull.start")
+            pulled = self._puller.pull(ref, on_progress)
+            mark("images.pull.end")
+            return pulled
         with RegistryClient(credentials={ref.registry: credentials}, insecure=self._insecure,
                             transport=self._transport) as client:
             puller = Puller(client, self._blobs, self._index, self.platform,
@@ -161,7 +165,10 @@ class ImageManager:
         fallback full pulls, fetch with."""
         if credentials is not None and self.lazy is not None:
             self.lazy.use_credentials(bundle, credentials)
-        return self._rootfs().prepare(image, bundle)
+        mark("rootfs.start")
+        rootfs = self._rootfs().prepare(image, bundle)
+        mark("rootfs.end")
+        return rootfs
 
     def release_rootfs(self, bundle: Path) -> None:
         """Unmount and delete a pod's rootfs (after its container is gone)."""

@@ -23,10 +23,12 @@ import os
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
 from gpucloud.images.errors import DigestMismatch, InvalidImage
+from gpucloud.images.lazy.trace import mark
 from gpucloud.images.manifest import Descriptor, Platform, check_config_platform
 from gpucloud.images.pull import Image
 from gpucloud.images.store import BlobStore, digest_hex, remove_tree
@@ -134,14 +136,33 @@ class RootfsBuilder:
     def layer_dirs(self, image: Image, bundle: Path | None = None) -> list[Path]:
         """The layer directories of ``image`` (base first): unpacked as needed, or (for the
         pod at ``bundle``) lazily mounted."""
-        pairs = zip(image.manifest.layers, image.config.diff_ids, strict=True)
-        dirs = []
-        for layer, diff_id in pairs:
-            mounted = None
-            if self._lazy is not None and bundle is not None:
-                mounted = self._lazy.mount(image, layer, bundle)
-            dirs.append(mounted or self._unpacked_layer(layer.digest, diff_id))
-        return dirs
+        pairs = list(zip(image.manifest.layers, image.config.diff_ids, strict=True))
+        mounted: list[Path | None] = [None] * len(pairs)
+        if self._lazy is not None and bundle is not None:
+            mounted = self._mount_lazy(image, [layer for layer, _ in pairs], bundle)
+        return [got or self._unpacked_layer(layer.digest, diff_id)
+                for got, (layer, diff_id) in zip(mounted, pairs, strict=True)]
+
+    def _mount_lazy(self, image: Image, layers: list[Descriptor], bundle: Path
+                    ) -> list[Path | None]:
+        """Every layer's lazy mount (None: unpack it), asked for all at once: each mount
+        waits on the registry (TOC) and the FUSE handshake, so one after another they add
+        up; concurrently the image costs about its slowest layer."""
+        lazy = self._lazy
+        assert lazy is not None
+
+        def one(layer: Descriptor) -> Path | None:
+            mark("rootfs.layer.start", digest=layer.digest)
+            got = lazy.mount(image, layer, bundle)
+            mark("rootfs.layer.end", digest=layer.digest)
+            return got
+
+        if len(layers) < 2:
+            return [one(layer) for layer in layers]
+        with ThreadPoolExecutor(max_workers=min(8, len(layers)),
+                                thread_name_prefix="lazy-mount") as pool:
+            futures = [pool.submit(one, layer) for layer in layers]
+        return [future.result() for future in futures]  # the first failure is raised
 
     def _prepare_overlay(self, image: Image, bundle: Path, rootfs: Path) -> None:
         lowers = [self._short_link(path) for path in self.layer_dirs(image, bundle)]
@@ -151,6 +172,7 @@ class RootfsBuilder:
         for path in (upper, work, rootfs):
             path.mkdir(parents=True, exist_ok=True)
         mount_overlay(list(reversed(lowers)), upper, work, rootfs)
+        mark("rootfs.overlay")
 
     def _prepare_copy(self, image: Image, rootfs: Path) -> None:
         cached = self._image_rootfs(image)

@@ -13,6 +13,7 @@ so several agents on one machine never see each other's containers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -343,7 +344,7 @@ class RuncDriver:
         if self.status(container_id).state in (ContainerState.RUNNING, ContainerState.CREATING):
             raise Conflict(f"container {container_id} is still running; stop it first")
         self._runc("delete", "--force", container_id, check=False)
-        shutil.rmtree(paths.root)
+        _remove_tree(paths.root)
 
     def log_path(self, container_id: str) -> Path:
         return self.paths(container_id).log
@@ -453,3 +454,19 @@ class RuncDriver:
                 return
             time.sleep(0.1)
         self._runc("kill", container_id, "KILL", check=False)
+
+
+def _remove_tree(root: Path, attempts: int = 50) -> None:
+    """``rmtree`` that tolerates the container's supervisor finishing its last writes
+    (the exit record is there before its final files are closed and renamed): a
+    directory that refills while it is removed is removed again, for about a second."""
+    for attempt in range(attempts):
+        try:
+            shutil.rmtree(root)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            if error.errno != errno.ENOTEMPTY or attempt == attempts - 1:
+                raise
+            time.sleep(0.02)

@@ -82,6 +82,15 @@ class _FdPool:
             if handle is not None:
                 self._retire(handle)
 
+    def held(self, digest: str) -> CachedFd | None:
+        """The open descriptor of ``digest``, its use counted, or None when not open."""
+        with self._lock:
+            handle = self._open.get(digest)
+            if handle is not None:
+                self._open.move_to_end(digest)
+                handle.users += 1
+            return handle
+
     def acquire(self, digest: str, path: Path) -> CachedFd:
         """The chunk file's descriptor, its use counted (``release`` when done)."""
         with self._lock:
@@ -176,6 +185,9 @@ class ChunkCache:
             if digest not in self._lru:
                 return None
             self._lru.move_to_end(digest)
+        handle = self._fds.held(digest)
+        if handle is not None:  # the hot path: no path built, no open
+            return handle
         try:
             return self._fds.acquire(digest, self._chunks / digest_hex(digest))
         except FileNotFoundError:

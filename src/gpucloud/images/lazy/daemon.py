@@ -55,6 +55,7 @@ from gpucloud.images.lazy.fs import raise_readahead, serve
 from gpucloud.images.lazy.layer import LazyLayer, check_toc_offsets, read_toc
 from gpucloud.images.lazy.scheduler import FetchScheduler
 from gpucloud.images.lazy.toc import Toc, parse_toc
+from gpucloud.images.lazy.trace import mark
 from gpucloud.images.rootfs import unmount
 from gpucloud.images.store import digest_hex
 
@@ -100,6 +101,7 @@ class LazyfsDaemon:
         self._read_deadline = read_deadline
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mounted] = {}
+        self._pending: dict[str, threading.Event] = {}  # mounts in flight, by digest
         self._events: list[dict[str, Any]] = []
         self._storage = httpx.Client(timeout=httpx.Timeout(read_deadline, connect=10.0))
         self._registries: dict[tuple[str, str, str], httpx.Client] = {}
@@ -116,7 +118,8 @@ class LazyfsDaemon:
                 if not spec.holders:
                     continue
                 try:
-                    self._mount(spec, None).spec.holders = list(spec.holders)
+                    mounted = self._mounts[spec.digest] = self._mount(spec, None)
+                    mounted.spec.holders = list(spec.holders)
                 except (ImageError, OSError) as exc:
                     self.event("LazyRestoreFailed", f"layer {spec.digest}: {exc}")
             self._save_state()
@@ -132,16 +135,41 @@ class LazyfsDaemon:
     # -- requests ------------------------------------------------------------------------
 
     def mount(self, spec: LayerSpec, credentials: Credentials | None) -> Path:
-        """Mount (or share) the layer for ``spec.holders[0]``; return its path."""
+        """Mount (or share) the layer for ``spec.holders[0]``; return its path.
+
+        The daemon's lock covers the bookkeeping only, never the mount itself (TOC fetch,
+        FUSE mount): the layers of an image are mounted concurrently, and a mount in
+        flight blocks neither another layer's mount nor a read, status or release. Two
+        requests for one layer share one mount: the second waits for the first (and
+        tries itself if that one failed: it may hold other credentials)."""
         holder = spec.holders[0]
+        while True:
+            with self._lock:
+                current = self._mounts.get(spec.digest)
+                if current is not None:
+                    self._hold(current, holder)
+                    return current.path
+                pending = self._pending.get(spec.digest)
+                if pending is None:
+                    pending = self._pending[spec.digest] = threading.Event()
+                    break
+            pending.wait()
+        try:
+            mounted = self._mount(spec, credentials)
+        finally:
+            with self._lock:
+                self._pending.pop(spec.digest, None)
+            pending.set()
         with self._lock:
-            current = self._mounts.get(spec.digest)
-            if current is None:
-                current = self._mount(spec, credentials)
-            if holder not in current.spec.holders:
-                current.spec.holders.append(holder)
-            self._save_state()
-            return current.path
+            self._mounts[spec.digest] = mounted
+            self._hold(mounted, holder)
+            return mounted.path
+
+    def _hold(self, mounted: _Mounted, holder: str) -> None:
+        """Count ``holder`` on ``mounted`` and persist (under the lock)."""
+        if holder not in mounted.spec.holders:
+            mounted.spec.holders.append(holder)
+        self._save_state()
 
     def release(self, holder: str) -> None:
         """Drop ``holder`` everywhere; unmount layers left without holders."""
@@ -194,31 +222,45 @@ class LazyfsDaemon:
     # -- mounting ------------------------------------------------------------------------
 
     def _mount(self, spec: LayerSpec, credentials: Credentials | None) -> _Mounted:
+        """Fetch the TOC, mount the FUSE view and start its prefetch (the caller records
+        the mount; this runs without the daemon's lock)."""
+        mark("daemon.mount.start", digest=spec.digest)
         fetcher = self._fetcher(spec, credentials)
         toc = self._toc(spec, fetcher)
+        mark("daemon.mount.toc", digest=spec.digest)
         layer = LazyLayer(spec.digest, toc, fetcher, self.cache,
                           lambda reason, message: self.event(reason, message, spec.digest),
                           self.scheduler)
         path = self.mnt / digest_hex(spec.digest)
         path.mkdir(parents=True, exist_ok=True)
-        stop = threading.Event()
-        thread = threading.Thread(target=self._serve, args=(layer, path, stop), daemon=True,
-                                  name=f"fuse-{digest_hex(spec.digest)[:12]}")
+        stop, ready = threading.Event(), threading.Event()
+        thread = threading.Thread(target=self._serve, args=(layer, path, stop, ready),
+                                  daemon=True, name=f"fuse-{digest_hex(spec.digest)[:12]}")
         thread.start()
-        _wait_mounted(path, thread)
-        raise_readahead(str(path))
+        # The prefetch of the prioritized files starts now, beside the container's start;
+        # the scheduler holds it back whenever a demand read is queued.
+        self.scheduler.touch()  # a start is under way: the bulk waits for it to go quiet
         threading.Thread(target=layer.prefetch, args=(stop,), daemon=True,
                          name=f"prefetch-{digest_hex(spec.digest)[:12]}").start()
+        try:
+            _wait_mounted(path, thread, ready)
+        except ImageError:
+            stop.set()
+            layer.close()
+            raise
+        mark("daemon.mount.fuse", digest=spec.digest)
+        raise_readahead(str(path))
         mounted = _Mounted(LayerSpec(**{**asdict(spec), "holders": []}), layer, path, thread,
                            stop)
-        self._mounts[spec.digest] = mounted
+        mark("daemon.mount.end", digest=spec.digest)
         return mounted
 
-    def _serve(self, layer: LazyLayer, path: Path, stop: threading.Event) -> None:
+    def _serve(self, layer: LazyLayer, path: Path, stop: threading.Event,
+               ready: threading.Event) -> None:
         """Serve the mount; when it ends (unmounted by us or from outside, e.g. a node
         clean-up), its prefetch stops too: nothing fetches for a layer nobody can read."""
         try:
-            serve(layer, str(path))
+            serve(layer, str(path), on_init=ready.set)
         except RuntimeError as exc:
             self.event("LazyMountFailed", f"layer {layer.digest}: FUSE ended: {exc}")
         finally:
@@ -231,9 +273,11 @@ class LazyfsDaemon:
         if kept is not None:
             toc = parse_toc(kept[0], spec.size, kept[1])
         else:
-            if not fetcher.supports_ranges():
-                raise RangeUnsupported(f"registry {spec.registry} ignores Range requests")
-            toc, data = read_toc(fetcher, spec.toc_digest)
+            try:  # the tail's Range request is the Range-support check too
+                toc, data = read_toc(fetcher, spec.toc_digest, ranges_only=True)
+            except RangeUnsupported as exc:
+                raise RangeUnsupported(f"registry {spec.registry} ignores Range requests"
+                                       ) from exc
             self.cache.put_toc(spec.toc_digest, data, toc.toc_offset)
         check_toc_offsets(toc, spec.size)
         return toc
@@ -295,14 +339,15 @@ def _detach(path: Path) -> None:
     ctypes.CDLL(None, use_errno=True).umount2(os.fsencode(path), 2)
 
 
-def _wait_mounted(path: Path, thread: threading.Thread) -> None:
+def _wait_mounted(path: Path, thread: threading.Thread, ready: threading.Event) -> None:
+    """Until the kernel's FUSE ``INIT`` has been answered (``ready``, set by the
+    filesystem's init: the mount exists and serves), instead of polling mountinfo."""
     deadline = time.monotonic() + MOUNT_TIMEOUT
     while time.monotonic() < deadline:
-        if path in _mounts_under(path.parent):
+        if ready.wait(0.05):
             return
         if not thread.is_alive():
             raise ImageError(f"FUSE mount of {path} failed")
-        time.sleep(0.01)
     raise ImageError(f"FUSE mount of {path} did not appear within {MOUNT_TIMEOUT} s")
 
 

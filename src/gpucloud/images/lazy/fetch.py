@@ -112,14 +112,19 @@ class RangeFetcher:
         with self._request(0, 1) as response:
             return response.status_code == 206
 
-    def fetch(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the blob, retried within the read deadline."""
+    def fetch(self, start: int, end: int, *, ranges_only: bool = False) -> bytes:
+        """Bytes ``[start, end)`` of the blob, retried within the read deadline.
+
+        ``ranges_only``: a ``200`` (the whole blob: the server ignores Range) raises
+        ``RangeUnsupported`` at once instead of being streamed through; the first request
+        of a mount (the TOC) is so also its Range-support check, with no round trip of
+        its own."""
         if not 0 <= start < end <= self.size:
             raise ValueError(f"range [{start}, {end}) outside the blob of {self.size} bytes")
         give_up = self._clock() + self._deadline
         for attempt in range(1, self._attempts + 1):
             try:
-                return self._fetch_once(start, end)
+                return self._fetch_once(start, end, ranges_only)
             except _Retryable as exc:
                 if attempt == self._attempts or self._clock() + exc.wait(self, attempt) > give_up:
                     raise RegistryUnavailable(
@@ -129,10 +134,13 @@ class RangeFetcher:
                 self._sleep(exc.wait(self, attempt))
         raise AssertionError("unreachable")
 
-    def _fetch_once(self, start: int, end: int) -> bytes:
+    def _fetch_once(self, start: int, end: int, ranges_only: bool = False) -> bytes:
         with self._request(start, end) as response:
             if response.status_code == 206:
                 return self._read_partial(response, start, end)
+            if ranges_only:
+                raise RangeUnsupported(f"{self.url} ignores Range requests (HTTP "
+                                       f"{response.status_code} with the whole blob)")
             return self._read_from_whole(response, start, end)
 
     def _read_partial(self, response: httpx.Response, start: int, end: int) -> bytes:

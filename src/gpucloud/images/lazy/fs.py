@@ -17,17 +17,20 @@ from __future__ import annotations
 import ctypes
 import datetime
 import errno
+import fcntl
 import logging
 import os
 import stat
+import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mfusepy
 
 from gpucloud.images.errors import ImageError
-from gpucloud.images.lazy.cache import CachedFd
 from gpucloud.images.lazy.layer import LazyLayer
 from gpucloud.images.lazy.toc import HIDDEN_ROOT_NAMES, Toc, TocEntry, clean_name
 
@@ -137,12 +140,29 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
 
     use_ns = True
 
-    def __init__(self, layer: LazyLayer) -> None:
+    def __init__(self, layer: LazyLayer, max_read: int = 0,
+                 on_init: Callable[[], None] | None = None) -> None:
         self.layer = layer
+        self._on_init = on_init
         self.nodes = build_tree(layer.toc)
         self._by_ino = {node.ino: node for node in self.nodes.values()}
-        self._held: dict[int, list[tuple[CachedFd, int, int]]] = {}
-        self._held_lock = threading.Lock()
+        self._max_read = max_read
+        self._attrs: dict[str, dict[str, Any]] = {}
+        self._tls = threading.local()  # per libfuse worker: the extents its last reply used
+
+    def init_with_config(self, conn: Any, config: Any) -> None:  # noqa: ARG002 - mfusepy's signature
+        """Ask for splice replies: libfuse then moves cached chunk pages to ``/dev/fuse``
+        through a pipe instead of a malloc + ``pread`` + ``writev`` of every byte (the
+        fallback, which spent most of the daemon's CPU in page faults on fresh buffers).
+        ``max_read`` must be repeated here (libfuse 3.14 refuses a mismatch)."""
+        if self._on_init is not None:
+            self._on_init()  # the kernel's INIT: the mount exists and is being served
+        if conn is None:
+            return
+        conn.want |= conn.capable & FUSE_CAP_SPLICE_WRITE  # not MOVE: the chunk files'
+        # page-cache pages are shared; the kernel copies them out of the pipe either way
+        if self._max_read:
+            conn.max_read = self._max_read
 
     def _node(self, path: str) -> Node:
         node = self.nodes.get(path.strip("/"))
@@ -151,7 +171,15 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
         return node
 
     def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:  # noqa: ARG002 - mfusepy's signature
-        node = self._node(path)
+        """The node's attributes, built once per path (the layer never changes): a walk
+        (and readdirplus, which libfuse answers with a getattr per entry) is one dict
+        lookup per entry."""
+        attrs = self._attrs.get(path)
+        if attrs is None:
+            attrs = self._attrs[path] = self._stat(self._node(path))
+        return attrs
+
+    def _stat(self, node: Node) -> dict[str, Any]:
         ns = int(node.mtime * 1e9)
         nlink = 2 + sum(1 for c in node.children.values() if c.kind == "dir") \
             if node.kind == "dir" else node.nlink
@@ -201,32 +229,43 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
     def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fh: int) -> int:
         """Zero-copy read (libfuse's ``read_buf``, used in place of ``read``): for cached
         chunks the reply is a vector of (chunk file descriptor, position, length) that
-        libfuse reads itself, in C, without the GIL; no byte passes through Python. Chunks
-        not cached yet are fetched and handed over as one malloc'd buffer.
+        libfuse splices to the kernel itself, in C, without the GIL; no byte passes
+        through Python. Chunks not cached yet are fetched and handed over as one malloc'd
+        buffer (``read``: digests verified first, errors become ``EIO``).
 
         libfuse reads the descriptors after this returns, so each is held (not closed,
         even if its chunk is evicted) until the same thread's next call: libfuse's worker
-        threads handle one request at a time, so by then that reply has been sent."""
+        threads handle one request at a time, so by then that reply has been sent. The hot
+        path is dict and list lookups only: no locks of its own, no logging."""
+        held = getattr(self._tls, "held", None)
+        if held:
+            self._tls.held = None
+            self.layer.release_extents(held)
         node = self._by_ino.get(fh) or self._node(path)
         if node.kind != "reg":
             raise mfusepy.FuseOSError(errno.EISDIR)
-        self._release_held()
         size = max(0, min(size, node.size - offset))
         extents = self.layer.cached_extents(node.data_path, offset, size) if size else []
         if extents is not None:
             _set_pointer(bufpp, _fd_bufvec([(h.fd, pos, length) for h, pos, length in extents]))
             if extents:
-                with self._held_lock:
-                    self._held[threading.get_native_id()] = extents
+                self._tls.held = extents
+                if size >= SEQUENTIAL_REQUEST and offset + size < node.size:
+                    self._advise(node, offset, size)
             return 0
         _set_pointer(bufpp, _mem_bufvec(self.read(path, size, offset, fh)))
         return 0
 
-    def _release_held(self) -> None:
-        with self._held_lock:
-            held = self._held.pop(threading.get_native_id(), None)
-        if held:
-            self.layer.release_extents(held)
+    def _advise(self, node: Node, offset: int, size: int) -> None:
+        """Read ahead the chunk files of ``[offset+AHEAD, offset+size+AHEAD)``: over a
+        sequential pass each chunk file is advised once, ``ADVISE_AHEAD`` before the
+        reader gets there (the first request of a file advises the whole window). An
+        advice of a file already in memory still walks its pages (tens of µs per MiB), so
+        advising the whole window on every request would cost more than it saves."""
+        start = offset + size if offset == 0 else offset + ADVISE_AHEAD
+        end = min(node.size, offset + size + ADVISE_AHEAD)
+        if start < end:
+            self.layer.advise_ahead(node.data_path, start, end - start)
 
     def getxattr(self, path: str, name: str, position: int = 0) -> bytes:  # noqa: ARG002 - mfusepy's signature
         value = self._node(path).xattrs.get(name)
@@ -244,8 +283,13 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
                 "f_namemax": 255}
 
 
+SEQUENTIAL_REQUEST = 128 << 10
+"""A read this large is the kernel's readahead: the reader is going sequentially."""
+ADVISE_AHEAD = 4 << 20
+"""How far past a sequential read the chunk files are read ahead into the page cache."""
 FUSE_BUF_IS_FD = 1 << 1
 FUSE_BUF_FD_SEEK = 1 << 2
+FUSE_CAP_SPLICE_WRITE = 1 << 7
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.malloc.restype = ctypes.c_void_p
 _libc.malloc.argtypes = [ctypes.c_size_t]
@@ -283,11 +327,22 @@ def _set_pointer(bufpp: Any, address: int) -> None:
     ctypes.cast(bufpp, ctypes.POINTER(ctypes.c_void_p))[0] = address
 
 
+_HEAD = struct.Struct("@NNN")
+_BUF = struct.Struct("@NiPiq")  # struct fuse_buf: size, flags, mem, fd, pos
+assert _HEAD.size == ctypes.sizeof(_BufvecHead) and _BUF.size == ctypes.sizeof(_FuseBuf)
+_FD_FLAGS = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK
+
+
 def _fd_bufvec(extents: list[tuple[int, int, int]]) -> int:
-    address, bufs = _bufvec(len(extents))
-    for buf, (fd, pos, length) in zip(bufs, extents, strict=False):
-        buf.size, buf.flags, buf.fd, buf.pos = length, FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK, fd, pos
-    return address
+    """A malloc'd ``fuse_bufvec`` of descriptor buffers, packed with ``struct`` (building
+    ctypes structures field by field cost more than the rest of a cached read)."""
+    data = _HEAD.pack(len(extents), 0, 0) + b"".join(
+        _BUF.pack(length, _FD_FLAGS, 0, fd, pos) for fd, pos, length in extents)
+    address = _libc.malloc(max(len(data), _HEAD.size + _BUF.size))
+    if not address:
+        raise mfusepy.FuseOSError(errno.ENOMEM)
+    ctypes.memmove(address, data, len(data))
+    return int(address)
 
 
 def _mem_bufvec(data: bytes) -> int:
@@ -338,6 +393,37 @@ def raise_readahead(mountpoint: str, kb: int = READAHEAD_KB) -> bool:
     return True
 
 
-def serve(layer: LazyLayer, mountpoint: str) -> None:
-    """Mount ``layer`` at ``mountpoint`` and serve it until it is unmounted (blocks)."""
-    mfusepy.FUSE(LayerFs(layer), mountpoint, **MOUNT_OPTIONS)
+F_SETPIPE_SZ = 1031
+_SPLICE_REPLY = 2 << 20
+
+
+def splice_max_read() -> int:
+    """The ``max_read`` that lets libfuse splice every read reply (0: no cap needed).
+
+    libfuse splices a reply only when its pipe holds the data plus a page per buffer and
+    two more; for the kernel's 1 MiB requests that is a 2 MiB pipe, which only a process
+    with ``CAP_SYS_RESOURCE`` can have while ``/proc/sys/fs/pipe-max-size`` is 1 MiB (the
+    default). Without it libfuse silently falls back to copying, for every request; so
+    requests are capped to what the largest permitted pipe can carry."""
+    read_fd, write_fd = os.pipe()
+    try:
+        fcntl.fcntl(read_fd, F_SETPIPE_SZ, _SPLICE_REPLY)
+        return 0
+    except OSError:
+        try:
+            limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        except (OSError, ValueError):
+            limit = 1 << 20
+        return max(128 << 10, min(1 << 20, limit) - (8 << 12))
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def serve(layer: LazyLayer, mountpoint: str,
+          on_init: Callable[[], None] | None = None) -> None:
+    """Mount ``layer`` at ``mountpoint`` and serve it until it is unmounted (blocks);
+    ``on_init`` is called once the kernel's FUSE ``INIT`` arrives (the mount is up)."""
+    max_read = splice_max_read()
+    options = {**MOUNT_OPTIONS, **({"max_read": max_read} if max_read else {})}
+    mfusepy.FUSE(LayerFs(layer, max_read, on_init), mountpoint, **options)

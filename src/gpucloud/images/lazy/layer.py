@@ -21,7 +21,9 @@ from __future__ import annotations
 import bisect
 import hashlib
 import io
+import itertools
 import logging
+import os
 import tarfile
 import threading
 import zlib
@@ -42,6 +44,7 @@ from gpucloud.images.lazy.toc import (
     Toc,
     parse_toc,
 )
+from gpucloud.images.lazy.trace import mark
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ TAIL_READ = 256 << 10
 PREFETCH_WINDOW = 8 << 20
 """The prefetch submits this many compressed bytes at a time and waits for them (the
 scheduler's queue stays short; unmounting cancels at most one window)."""
+
+_fetch_ids = itertools.count(1)  # names a request's start and end lines in the trace
 
 EventSink = Callable[[str, str], None]
 """Called with (reason, message) for what the agent should report as an event."""
@@ -73,22 +78,25 @@ class LayerStats:
     prefetch_done: bool = False
 
 
-def read_toc(fetcher: RangeFetcher, toc_digest: str) -> tuple[Toc, bytes]:
+def read_toc(fetcher: RangeFetcher, toc_digest: str, *, ranges_only: bool = False
+             ) -> tuple[Toc, bytes]:
     """Fetch footer and TOC (one Range request for the tail, usually), check the TOC's
     sha256 against ``toc_digest`` (the layer annotation) and parse it; return it and its
-    JSON bytes."""
+    JSON bytes. A TOC larger than the tail costs one more request, for the part of it
+    before the tail only. ``ranges_only``: ``RangeUnsupported`` when the registry answers
+    the tail's Range request with the whole blob (the daemon's check, in the same request)."""
     size = fetcher.size
     if size < FOOTER_SIZE:
         raise InvalidToc(f"blob of {size} bytes is too small for an eStargz footer")
     tail_start = max(0, size - TAIL_READ)
-    tail = fetcher.fetch(tail_start, size)
+    tail = fetcher.fetch(tail_start, size, ranges_only=ranges_only)
     toc_offset = parse_footer(tail)
     if not 0 <= toc_offset < size - FOOTER_SIZE + 1:
         raise InvalidToc(f"footer points at {toc_offset}, outside the blob")
     if toc_offset >= tail_start:
         member = tail[toc_offset - tail_start : len(tail) - FOOTER_SIZE]
     else:
-        member = fetcher.fetch(toc_offset, size - FOOTER_SIZE)
+        member = fetcher.fetch(toc_offset, tail_start) + tail[: len(tail) - FOOTER_SIZE]
     data = toc_json(member)
     actual = "sha256:" + hashlib.sha256(data).hexdigest()
     if actual != toc_digest:
@@ -213,6 +221,19 @@ class LazyLayer:
             out.append((handle, lo, hi - lo))
         return out
 
+    def advise_ahead(self, path: str, offset: int, span: int) -> None:
+        """Start reading the cached chunk files behind ``[offset, offset+span)`` of ``path``
+        into the page cache (``POSIX_FADV_WILLNEED``, asynchronous): a sequential reader's
+        next FUSE requests then splice from memory instead of waiting on the disk, one
+        1 MiB chunk file at a time. Chunks not cached are skipped (nothing is fetched)."""
+        for ref in self._covering(path, offset, span):
+            handle = self._cache.acquire(ref.digest)
+            if handle is not None:
+                try:
+                    os.posix_fadvise(handle.fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    self._cache.release(handle)
+
     def release_extents(self, extents: list[tuple[CachedFd, int, int]]) -> None:
         for handle, _, _ in extents:
             self._cache.release(handle)
@@ -254,7 +275,11 @@ class LazyLayer:
         if self.fetcher is None:
             raise ImageError(f"layer {self.digest}: chunk not cached and no registry to fetch it")
         start, end = items[0].start, max(i.end for i in items)
+        request = next(_fetch_ids)
+        mark("fetch.start", id=request, layer=self.digest[7:19], priority=priority.name,
+             start=start, end=end, chunks=len(items))
         blob = self.fetcher.fetch(start, end)
+        mark("fetch.end", id=request, priority=priority.name, bytes=len(blob))
         if priority is Priority.DEMAND:
             self.stats.demand_fetched += len(blob)
         else:

@@ -230,6 +230,13 @@ class FetchScheduler:
         for thread in self._threads:
             thread.join(timeout=5)
 
+    def touch(self) -> None:
+        """Count now as demand activity (a layer is being mounted: a start is under way,
+        its reads are about to come), so the bulk prefetch waits ``bulk_quiet`` more."""
+        with self._cond:
+            self._last_demand = max(self._last_demand, self._clock())
+            self._cond.notify_all()
+
     def demand_outstanding(self) -> bool:
         with self._cond:
             return bool(self._queued[Priority.DEMAND] or self._running[Priority.DEMAND])
