@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import event
 
 from gpucloud.api.app import create_app
 from gpucloud.controllers.loops import NodeLeaseController, SchedulingController
 from gpucloud.core.clock import ManualClock
 from gpucloud.core.settings import Settings
+from gpucloud.db.session import Database
 from gpucloud.services.context import ServiceContext
 from tests.conftest import ADMIN_KEY
 
@@ -115,3 +118,25 @@ class ThroughTestClient(httpx.BaseTransport):
                    if k.lower() not in ("content-encoding", "content-length")]
         return httpx.Response(answer.status_code, headers=headers,
                               content=answer.content, request=request)
+
+
+_TRANSACTION_CONTROL = frozenset({"BEGIN", "COMMIT", "ROLLBACK"})
+
+
+@contextmanager
+def statements_sent(db: Database, verbs: frozenset[str] | None = None
+                    ) -> Iterator[list[str]]:
+    """The SQL statements sent on ``db`` inside the block: those whose first word is one
+    of ``verbs`` (e.g. ``{"SELECT"}``), or all but transaction control."""
+    sent: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        verb = statement.split()[0].upper()
+        if verb in verbs if verbs is not None else verb not in _TRANSACTION_CONTROL:
+            sent.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        yield sent
+    finally:
+        event.remove(db.engine, "before_cursor_execute", record)

@@ -5,15 +5,14 @@ waited too long in a busy server is refused, never applied late (SQLite and Post
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from fastapi import HTTPException
 from fastapi.testclient import TestClient
-from sqlalchemy import event, select, update
+from sqlalchemy import select, update
 
 from gpucloud.api import lease_capacity
 from gpucloud.api.deps import NodeCredential
@@ -23,22 +22,9 @@ from gpucloud.core.models import AssignmentsOut, LeaseRequest
 from gpucloud.db.models import NodeModel
 from gpucloud.services import assignment_answers, lease_batch
 from gpucloud.services.context import ServiceContext, hash_secret
-from tests.integration.conftest import agent_headers
+from tests.integration.conftest import agent_headers, statements_sent
 
-
-@contextmanager
-def _selects(ctx: ServiceContext) -> Iterator[list[str]]:
-    sent: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if statement.lstrip().upper().startswith("SELECT"):
-            sent.append(statement)
-
-    event.listen(ctx.db.engine, "before_cursor_execute", record)
-    try:
-        yield sent
-    finally:
-        event.remove(ctx.db.engine, "before_cursor_execute", record)
+SELECTS = frozenset({"SELECT"})
 
 
 def _poll(api: TestClient, node: dict[str, Any], **params: Any) -> Any:
@@ -55,10 +41,10 @@ def test_a_poll_ending_on_an_unchanged_revision_costs_one_query(
     node = register_node("cheap")
     api.post("/v1/pods", json={"name": "p1", "image": "busybox", "gpus": 1})
     schedule()
-    with _selects(app_ctx) as built:
+    with statements_sent(app_ctx.db, SELECTS) as built:
         full = _poll(api, node)  # no revision: the full answer, built
     assert len(built) >= 4 and [p["name"] for p in full["pods"]] == ["p1"]
-    with _selects(app_ctx) as sent:
+    with statements_sent(app_ctx.db, SELECTS) as sent:
         again = _poll(api, node, wait=0.05, revision=full["revision"])
     assert len(sent) == 1  # the token and the revision, in one query
     assert again == full  # the answer kept for that revision, the same as built

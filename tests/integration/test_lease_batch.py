@@ -4,11 +4,9 @@ each with the single renewal's guard and answer (SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import event, select
+from sqlalchemy import select
 
 from gpucloud.api import lease_capacity
 from gpucloud.core.clock import ManualClock
@@ -17,6 +15,9 @@ from gpucloud.db.models import NodeModel
 from gpucloud.services import join_tokens, lease_batch, nodes, projects
 from gpucloud.services.context import ServiceContext
 from tests.conftest import ADMIN_KEY
+from tests.integration.conftest import statements_sent
+
+UPDATES = frozenset({"UPDATE"})
 
 
 def _register(ctx: ServiceContext, names: list[str]) -> list[NodeRegisterResponse]:
@@ -28,21 +29,6 @@ def _register(ctx: ServiceContext, names: list[str]) -> list[NodeRegisterRespons
         out.append(nodes.register_node(ctx, NodeRegisterRequest(
             join_token=token, name=name, cpu_cores=8, memory_bytes=2**34, gpus=[])))
     return out
-
-
-@contextmanager
-def _updates(ctx: ServiceContext) -> Iterator[list[str]]:
-    sent: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if statement.lstrip().upper().startswith("UPDATE"):
-            sent.append(statement)
-
-    event.listen(ctx.db.engine, "before_cursor_execute", record)
-    try:
-        yield sent
-    finally:
-        event.remove(ctx.db.engine, "before_cursor_execute", record)
 
 
 def _expiry(ctx: ServiceContext, node_id: str) -> Any:
@@ -67,7 +53,7 @@ def test_one_statement_renews_the_current_grants_and_leaves_the_rest_to_the_full
              lease_batch.Renewal(cordoned.node_token,
                                  LeaseRequest(fencing_token=1, auto_uncordon=False)),
              lease_batch.Renewal(lapsed.node_token, LeaseRequest(fencing_token=1))]
-    with _updates(ctx) as sent:
+    with statements_sent(ctx.db, UPDATES) as sent:
         results = lease_batch.renew_many(ctx, batch)
     assert len(sent) == 2  # one per auto_uncordon group, however many renewals
     renewed = [r is not None for r in results]
@@ -88,10 +74,10 @@ def test_renewals_arriving_together_share_one_statement(ctx: ServiceContext) -> 
             for r in registered))
 
     lease_ctx = lease_capacity.lease_context(ctx)  # the lease path's own pool (PostgreSQL)
-    with _updates(lease_ctx) as sent:
+    with statements_sent(lease_ctx.db, UPDATES) as sent:
         results = asyncio.run(renew_all())
     assert len(sent) == 1 and all(r is not None for r in results)
-    with _updates(lease_ctx) as sent:  # one alone is one statement, at once
+    with statements_sent(lease_ctx.db, UPDATES) as sent:  # one alone is one statement, at once
         alone = asyncio.run(lease_capacity.renew_current(
             ctx, registered[0].node_token, LeaseRequest(fencing_token=1)))
     assert len(sent) == 1 and alone is not None

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event, text, update
+from sqlalchemy import text, update
 from sqlalchemy.exc import OperationalError
 
 from gpucloud.api import lease_capacity
@@ -24,23 +23,7 @@ from gpucloud.db.models import NodeModel
 from gpucloud.db.session import Database
 from gpucloud.services import revision_watch, wakeups
 from gpucloud.services.context import ServiceContext
-from tests.integration.conftest import agent_headers
-
-
-@contextmanager
-def _statements(db: Database) -> Iterator[list[str]]:
-    """The SQL statements sent on ``db`` inside the block, transaction control left out."""
-    sent: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if statement.split()[0].upper() not in {"BEGIN", "COMMIT", "ROLLBACK"}:
-            sent.append(statement)
-
-    event.listen(db.engine, "before_cursor_execute", record)
-    try:
-        yield sent
-    finally:
-        event.remove(db.engine, "before_cursor_execute", record)
+from tests.integration.conftest import agent_headers, statements_sent
 
 
 def test_a_current_renewal_is_one_statement_and_the_rest_keep_their_answers(
@@ -50,7 +33,7 @@ def test_a_current_renewal_is_one_statement_and_the_rest_keep_their_answers(
     reg = register_node("gpu-1")
     headers = agent_headers(reg)
     lease_db = lease_capacity.lease_context(app_ctx).db  # its own pool on PostgreSQL
-    with _statements(app_ctx.db) as shared, _statements(lease_db) as own:
+    with statements_sent(app_ctx.db) as shared, statements_sent(lease_db) as own:
         renewed = api.post("/v1/agent/lease", headers=headers, json={"fencing_token": 1})
     assert renewed.status_code == 200 and not renewed.json()["new_grant"]
     sent = own if lease_db is not app_ctx.db else shared
@@ -85,7 +68,7 @@ def test_node_tokens_are_cached_and_a_re_registration_refuses_the_old_one_at_onc
 ) -> None:
     first = register_node("gpu-1")
     assert api.get("/v1/agent/assignments", headers=agent_headers(first)).status_code == 200
-    with _statements(app_ctx.db) as sent:  # the token is checked by the poll's one read of
+    with statements_sent(app_ctx.db) as sent:  # the token is checked by the poll's one read of
         assert api.get("/v1/agent/assignments",  # its revision, no query of its own
                        headers=agent_headers(first)).status_code == 200
     by_token = [s for s in sent if "WHERE nodes.token_hash" in s]
@@ -112,7 +95,7 @@ def test_the_pool_pings_idle_connections_and_recovers_from_dropped_ones(
 ) -> None:
     db, killer = Database(postgres_url), Database(postgres_url)
     try:
-        with _statements(db) as sent:
+        with statements_sent(db) as sent:
             pids = {_backend(db) for _ in range(3)}
         assert len(sent) == 3 and len(pids) == 1  # a busy pool: no ping per checkout
         _kill(killer, pids.pop())
@@ -153,6 +136,6 @@ def test_a_change_from_another_replica_wakes_the_poll_through_the_batched_watch(
     assert answers and answers[0]["revision"] == revision + 1
     assert time.monotonic() - started < 10
     watch = revision_watch.watcher(app_ctx, lambda: 60.0)
-    with _statements(app_ctx.db) as sent:
+    with statements_sent(app_ctx.db) as sent:
         watch.check([n["node_id"] for n in nodes])
     assert len(sent) == 1  # one query for every waiting node
