@@ -93,12 +93,9 @@ class _FdPool:
 
     def acquire(self, digest: str, path: Path) -> CachedFd:
         """The chunk file's descriptor, its use counted (``release`` when done)."""
-        with self._lock:
-            handle = self._open.get(digest)
-            if handle is not None:
-                self._open.move_to_end(digest)
-                handle.users += 1
-                return handle
+        handle = self.held(digest)
+        if handle is not None:
+            return handle
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         with self._lock:
             handle = self._open.get(digest)
