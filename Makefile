@@ -11,7 +11,9 @@ TEST_PACKAGES := $(RUN_PACKAGES) postgresql docker-registry umoci skopeo libfuse
 
 # Two test processes, each whole test file on one of them (its module fixtures, a cluster
 # or a replica set, start once); most of the suite waits on runc, agents and databases.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile
+# Files go out in collection order, longest first (tests/conftest.py LONGEST_FIRST), not
+# xdist's default of most tests first, which left the long single-test files for the end.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: up test lint typecheck unit bench clean
 

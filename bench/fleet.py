@@ -1,7 +1,9 @@
 """Fleet benchmark: thousands of simulated agents against 2 server replicas on PostgreSQL.
 
-Each simulated agent speaks the real agent protocol over real HTTP (register, renew its
-lease every TTL/3 with jitter, long-poll its assignments, report its pods ``Running``), with
+Each simulated agent speaks the real agent protocol over real HTTP (register at a random
+time within a ramp, ``--ramp``, as a fleet boots over minutes, retrying with the agent's
+back-off; renew its lease every TTL/3 with jitter, long-poll its assignments, report its
+pods ``Running``), with
 the real agent's timing: its renewal period, its exponential back-off with jitter on
 failures (never a fixed short retry: a fleet retrying every 0.2 s is a retry storm that
 keeps an overloaded server overloaded), a renewal given up at half the TTL as the agent
@@ -23,8 +25,12 @@ second while a backlog exists), the leader failover time and CPU per replica.
     .venv/bin/python bench/fleet.py --quick          # the 10-minute soak, 1,000 agents
     .venv/bin/python bench/fleet.py --quick --duration 60   # a short look
     .venv/bin/python bench/fleet.py                  # 30 min, 10,000 agents (full)
+    .venv/bin/python bench/fleet.py --agents 10000 --ttl 60 --ramp 300 --profile 60
+        # with --profile, the ramp is profiled too (bench/results/fleet-ramp-profile.json,
+        # written even when the ramp does not finish); the registered count every 30 s
 
-Results: printed, and bench/results/fleet.json (its "mode" says quick or full).
+Results: printed, and bench/results/fleet.json (its "mode" says quick or full); with
+``--backlog N`` bench/results/fleet-backlog.json.
 """
 
 from __future__ import annotations
@@ -40,9 +46,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +59,7 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import pyspy  # noqa: E402
 from tests.fixtures.postgres import free_port, postgres_server  # noqa: E402
 
 ADMIN_KEY = "gpc_fleet-bench-admin-key"
@@ -136,6 +144,10 @@ class AgentStats:
     unexpected_new_grants: int = 0
     stale_refusals: int = 0
     registered: int = 0
+    #: registrations sent again (no answer within the timeout, or an error)
+    register_retries: int = 0
+    #: the answers that made a registration be sent again (0: none within the timeout)
+    register_error_codes: dict[str, int] = field(default_factory=dict)
     reports: int = 0
     #: latency histogram, 1 ms buckets
     latency_ms: dict[int, int] = field(default_factory=dict)
@@ -166,12 +178,29 @@ class SimAgent:
         self.fencing = 0
         self.ttl = 10.0
         self.running: set[str] = set()
+        #: the last lease attempts (wall time sent, replica port, status, latency s, what
+        #: came back): printed for each node found Lost while its agent was alive
+        self.history: deque[tuple[float, int, int, float, str]] = deque(maxlen=64)
+
+    async def _lease_request(self, fencing: int | None) -> tuple[int, Any]:
+        """One renewal (the agent's ``lease_timeout``: half the TTL), kept in history."""
+        port, sent, started = self.control.ports[self.control.index], time.time(), \
+            time.perf_counter()
+        status, out = await self.control.request(
+            "POST", "/v1/agent/lease", self.token, {"fencing_token": fencing},
+            timeout=self.ttl / 2)
+        note = (self.control.last_error[:60] if status == 0 else
+                "new grant" if status == 200 and out["new_grant"] else
+                "" if status == 200 else str(out)[:80])
+        self.history.append((sent, port, status, time.perf_counter() - started, note))
+        return status, out
 
     async def register(self) -> None:
         gpus = [{"uuid": f"GPU-{self.name}-{i}", "model": "H100 80GB", "memory_mib": 81559,
                  "index": i, "numa_node": i // 4} for i in range(8)]
         body = {"join_token": self.join_token, "name": self.name, "cpu_cores": 128,
                 "memory_bytes": 1024 * GIB, "gpus": gpus}
+        failures = 0
         while True:
             status, out = await self.control.request("POST", "/v1/agent/register", None, body)
             if status == 201:
@@ -179,7 +208,14 @@ class SimAgent:
                 self.ttl = float(out["lease_ttl_seconds"])
                 self.stats.registered += 1
                 return
-            await asyncio.sleep(0.5 + random.random())
+            # the agent's back-off (agent/connection.py connect): a fixed short retry of
+            # a fleet whose registrations time out is a storm that keeps the server busy
+            # with registrations whose agents gave them up (each then registers twice)
+            failures += 1
+            self.stats.register_retries += 1
+            codes = self.stats.register_error_codes
+            codes[str(status)] = codes.get(str(status), 0) + 1
+            await asyncio.sleep(backoff(failures, base=1.0, cap=30.0))
 
     async def lease_loop(self) -> None:
         """Every TTL/3 at a fixed rate, as the agent does (agent/renewal.py: each renewal
@@ -192,9 +228,7 @@ class SimAgent:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             sent = time.monotonic()
             started = time.perf_counter()
-            status, out = await self.control.request(
-                "POST", "/v1/agent/lease", self.token, {"fencing_token": self.fencing},
-                timeout=self.ttl / 2)
+            status, out = await self._lease_request(self.fencing)
             if status == 200:
                 self.stats.renewals += 1
                 self.stats.record(time.perf_counter() - started)
@@ -206,11 +240,13 @@ class SimAgent:
                 continue
             elif status == 409:
                 self.stats.stale_refusals += 1
-                status, out = await self.control.request("POST", "/v1/agent/lease", self.token,
-                                                         {"fencing_token": None},
-                                                         timeout=self.ttl / 2)
+                status, out = await self._lease_request(None)
                 if status == 200:
                     self.fencing = out["fencing_token"]
+                else:  # as the agent's renew(): the re-acquire's failure is the renewal's
+                    failures += 1  # (retried after the back-off, not a period later)
+                    due = time.monotonic() + min(backoff(failures), self.ttl / 3)
+                    continue
             else:
                 self.stats.renewal_errors += 1
                 code = str(status)  # 0: no answer within the TTL, or the replica was down
@@ -270,11 +306,22 @@ async def _worker(config: dict[str, Any]) -> None:
     semaphore = asyncio.Semaphore(64)
 
     async def bring_up(agent: SimAgent) -> list[asyncio.Task[None]]:
+        # Nodes come up over a ramp, not at one instant (a fleet boots over minutes):
+        # each agent at a uniformly random time within it.
+        await asyncio.sleep(random.uniform(0, config["ramp_s"]))
         async with semaphore:
             await agent.register()
         return [asyncio.create_task(agent.lease_loop()), asyncio.create_task(agent.watch_loop())]
 
+    async def progress() -> None:  # how the ramp goes, every 10 s (the coordinator prints it)
+        while True:
+            await asyncio.sleep(10)
+            _emit({"event": "progress", "registered": stats.registered,
+                   "register_retries": stats.register_retries})
+
+    reporting = asyncio.create_task(progress())
     tasks = await asyncio.gather(*(bring_up(a) for a in agents))
+    reporting.cancel()
     _emit({"event": "registered", "count": len(agents)})
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -291,6 +338,10 @@ async def _worker(config: dict[str, Any]) -> None:
                 agents[v].poll._drop()
             _emit({"event": "killed", "names": [agents[v].name for v in victims],
                    "at": time.time()})
+        elif line[0] == "trace":  # the lease history of the agents named
+            wanted = set(line[1:])
+            _emit({"event": "trace", "agents": {
+                a.name: list(a.history) for a in agents if a.name in wanted}})
         elif line[0] == "stop":
             break
     _emit({"event": "stats", **stats.__dict__,
@@ -337,10 +388,14 @@ def group_alive(pgid: int) -> bool:
 
 
 class Replica:
-    """One ``gpucloud server`` process (controllers on; the leader holds their lease)."""
+    """One ``gpucloud server`` process: ``controllers`` (it may lead them: the leader holds
+    their lease; else ``--no-controllers``), ``agents`` (the agents and the API clients
+    are spread over the replicas that have it; the others take no such traffic)."""
 
-    def __init__(self, name: str, database_url: str, ttl: float, workers: int = 1) -> None:
+    def __init__(self, name: str, database_url: str, ttl: float, workers: int = 1,
+                 controllers: bool = True, agents: bool = True) -> None:
         self.name, self.port = name, free_port()
+        self.controllers, self.agents = controllers, agents
         #: processes of this replica (``--workers``: they share the ports, SO_REUSEPORT,
         #: so they need a fixed SSH port, not 0)
         self.workers = workers
@@ -359,7 +414,8 @@ class Replica:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gpucloud.cli.main", "server", "--port", str(self.port),
-             "--ssh-port", str(self.ssh_port), "--workers", str(self.workers)],
+             "--ssh-port", str(self.ssh_port), "--workers", str(self.workers),
+             "--controllers" if self.controllers else "--no-controllers"],
             env=self.env, stdout=subprocess.DEVNULL, start_new_session=True,  # its own group
             stderr=open(self.home / "stderr.log", "ab"))  # noqa: SIM115
         deadline = time.monotonic() + 180  # a restart beside a replica at full load
@@ -410,6 +466,8 @@ class Monitor(threading.Thread):
         self.lost_at: dict[str, float] = {}  # first time each node was seen Lost
         self.entries: dict[str, list[float]] = {}  # every time it went Lost
         self.lost_now: set[str] = set()
+        #: lease_renewed_at (epoch s) of each node when it was first seen Lost
+        self.lost_renewed: dict[str, float] = {}
         self.samples: list[tuple[float, int, int]] = []  # (time, pending, bound)
         self.leader: list[tuple[float, str | None, int | None]] = []
         #: what PostgreSQL's active sessions waited on, summed over samples (one a second):
@@ -421,12 +479,15 @@ class Monitor(threading.Thread):
         while not self.stop.wait(0.25):
             with suppress(sa.exc.OperationalError), self.engine.connect() as db:
                 now = time.time()
-                lost = {name for (name,) in db.execute(sa.text(
-                        "SELECT name FROM nodes WHERE status = 'Lost' AND name LIKE :p"),
-                        {"p": f"{self.prefix}-%"})}
+                renewed = {name: at for name, at in db.execute(sa.text(
+                    "SELECT name, extract(epoch FROM lease_renewed_at) FROM nodes"
+                    " WHERE status = 'Lost' AND name LIKE :p"), {"p": f"{self.prefix}-%"})}
+                lost = set(renewed)
                 for name in lost - self.lost_now:  # each time a node goes Lost
                     self.lost_at.setdefault(name, now)
                     self.entries.setdefault(name, []).append(now)
+                    if renewed[name] is not None:
+                        self.lost_renewed.setdefault(name, float(renewed[name]))
                 self.lost_now = lost
                 pending, bound = db.execute(sa.text(
                     "SELECT count(*) FILTER (WHERE node_id IS NULL AND phase = 'Pending'),"
@@ -452,24 +513,29 @@ class Workers:
     """The agent worker processes and what they print."""
 
     def __init__(self, agents: int, processes: int, ports: list[int], join_token: str,
-                 prefix: str) -> None:
+                 prefix: str, ramp_s: float) -> None:
         per = -(-agents // processes)
         self.procs: list[subprocess.Popen[str]] = []
         self.messages: list[dict[str, Any]] = []
+        #: (worker index, message): whose progress a message is
+        self.indexed: list[tuple[int, dict[str, Any]]] = []
         self.lock = threading.Lock()
         for first in range(0, agents, per):
             config = {"first": first, "count": min(per, agents - first), "ports": ports,
-                      "join_token": join_token, "prefix": prefix}
+                      "join_token": join_token, "prefix": prefix, "ramp_s": ramp_s}
             proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(config)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self.procs.append(proc)
-            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+            threading.Thread(target=self._read, args=(proc, len(self.procs) - 1),
+                             daemon=True).start()
 
-    def _read(self, proc: subprocess.Popen[str]) -> None:
+    def _read(self, proc: subprocess.Popen[str], index: int) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
+            message = json.loads(line)
             with self.lock:
-                self.messages.append(json.loads(line))
+                self.messages.append(message)
+                self.indexed.append((index, message))
 
     def of(self, event: str) -> list[dict[str, Any]]:
         with self.lock:
@@ -481,6 +547,34 @@ class Workers:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers: {len(self.of(event))}/{count} {event!r}")
             time.sleep(0.2)
+
+    def wait_registered(self, timeout: float) -> None:
+        """Until every worker's agents are registered; the count every 30 s meanwhile."""
+        deadline = time.monotonic() + timeout
+        shown = time.monotonic()
+        while len(self.of("registered")) < len(self.procs):
+            if time.monotonic() > shown + 30:
+                shown = time.monotonic()
+                print(f"registered: {self.registered()} (retries {self.register_retries()})",
+                      flush=True)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers: {self.registered()} agents registered in "
+                                   f"{timeout:.0f} s ({self.register_retries()} retries)")
+            time.sleep(0.2)
+
+    def _last_progress(self) -> list[dict[str, Any]]:
+        last: dict[int, dict[str, Any]] = {}
+        with self.lock:
+            for index, message in self.indexed:
+                if message["event"] in ("progress", "registered"):
+                    last[index] = message
+        return list(last.values())
+
+    def registered(self) -> int:
+        return sum(m.get("registered", m.get("count", 0)) for m in self._last_progress())
+
+    def register_retries(self) -> int:
+        return sum(m.get("register_retries", 0) for m in self._last_progress())
 
     def send(self, line: str) -> None:
         for proc in self.procs:
@@ -549,6 +643,24 @@ class Plan:
     quick: bool
     #: processes per replica (``gpucloud server --workers``)
     server_workers: int = 1
+    #: > 0: instead of the waves and kills, this many pods created while scheduling is
+    #: paused, then released at once (the live scheduling rate with a real backlog)
+    backlog: int = 0
+    #: profile the replicas (py-spy, bench/pyspy.py): during the drain of a backlog, or
+    #: for this many seconds in the middle of an ordinary run (0: no profile)
+    profile_s: float = 0.0
+    #: the agents register at random times within this many seconds
+    ramp_s: float = 0.0
+    #: which replicas run the controllers and which take the agents (``TOPOLOGIES``)
+    topology: str = "shared"
+
+
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            total[key] = total.get(key, 0) + n
+    return total
 
 
 def _percentile(histogram: dict[int, int], fraction: float) -> float:
@@ -580,14 +692,26 @@ def _throughput(samples: list[tuple[float, int, int]],
     return rate, best
 
 
+#: The deployments ``--topology`` compares: (name, runs the controllers, takes agents) per
+#: replica, in their start order (the first migrates and takes the controllers' lease).
+TOPOLOGIES = {
+    # every replica does everything: the leader answers its share of the agents too
+    "shared": [("a", True, True), ("b", True, True)],
+    # the controllers apart (a leader and its standby, as kube-scheduler runs apart from
+    # the apiservers): the agents and API clients reach only the --no-controllers replicas
+    "split": [("c", True, False), ("d", True, False), ("a", False, True),
+              ("b", False, True)],
+}
+
+
 @contextmanager
 def _cluster(plan: Plan) -> Iterator[tuple[str, list[Replica]]]:
     with postgres_server(durable=False) as database_url:
-        replicas = [Replica(name, database_url, plan.ttl, plan.server_workers)
-                    for name in ("a", "b")]
+        replicas = [Replica(name, database_url, plan.ttl, plan.server_workers, controllers,
+                            agents) for name, controllers, agents in TOPOLOGIES[plan.topology]]
         try:
-            replicas[0].start()  # migrates and takes the controllers' lease first: the leader
-            replicas[1].start()
+            for replica in replicas:  # the first migrates and takes the lease: the leader
+                replica.start()
             yield database_url, replicas
         finally:
             for replica in replicas:
@@ -597,22 +721,31 @@ def _cluster(plan: Plan) -> Iterator[tuple[str, list[Replica]]]:
 def run(plan: Plan) -> dict[str, Any]:
     prefix = f"fleet{int(time.time()) % 100000}"
     with _cluster(plan) as (database_url, replicas):
-        a, b = replicas
-        ports = [a.port, b.port]
-        join_token = _admin(a.url, "POST", "/v1/nodes/join-tokens", {})["token"]
+        ports = [r.port for r in replicas if r.agents]
+        join_token = _admin(replicas[0].url, "POST", "/v1/nodes/join-tokens", {})["token"]
         monitor = Monitor(database_url, prefix)
         monitor.start()
         started = time.time()
-        workers = Workers(plan.agents, plan.processes, ports, join_token, prefix)
+        workers = Workers(plan.agents, plan.processes, ports, join_token, prefix,
+                          plan.ramp_s)
         try:
-            workers.wait_for("registered", len(workers.procs), timeout=600)
+            with _ramp_profiled(plan, replicas, workers) as ramp_profiles:
+                workers.wait_registered(timeout=plan.ramp_s + 600)
             registered_s = time.time() - started
             print(f"{plan.agents} agents registered in {registered_s:.1f} s", flush=True)
             t0, cpu0 = time.time(), [r.cpu() for r in replicas] + [workers.cpu()]
-            timeline = _drive(plan, replicas, ports, workers, monitor)
+            if plan.backlog:
+                timeline = _drive_backlog(plan, replicas, ports, workers, monitor)
+            else:
+                with _profiled(plan, replicas, workers) as profiles:
+                    timeline = _drive(plan, replicas, ports, workers, monitor)
+                timeline["profiles"] = profiles
+            if ramp_profiles:
+                timeline["profiles_ramp"] = ramp_profiles
             elapsed = time.time() - t0
             cpu = [(r.cpu() - c) / elapsed for r, c in zip(replicas, cpu0, strict=False)]
             agent_cpu = (workers.cpu() - cpu0[-1]) / elapsed
+            _trace_false_lost(workers, monitor, timeline)
             workers.send("stop")
             workers.wait_for("stats", len(workers.procs), timeout=60)
         finally:
@@ -632,7 +765,7 @@ def _drive(plan: Plan, replicas: list[Replica], ports: list[int], workers: Worke
     timeline["wave1"] = {"pods": plan.pods // 2, "create_s": round(seconds, 2),
                          "errors": errors, "error_codes": codes}
     _sleep_until(time.time() + plan.duration * 0.2, end)
-    leader = replicas[0]
+    leader = replicas[0]  # started first: it took the controllers' lease
     killed_at = time.time()
     leader_before = monitor.leader[-1] if monitor.leader else (0, None, None)
     leader.kill()
@@ -644,6 +777,7 @@ def _drive(plan: Plan, replicas: list[Replica], ports: list[int], workers: Worke
     leader.start()  # back as a follower
     timeline["failover_s"] = _failover_seconds(monitor, killed_at, leader_before[1])
     _sleep_until(time.time() + plan.duration * 0.2, end)
+    _trace_false_lost(workers, monitor, timeline)  # the failover's, while still in history
     kills = max(1, plan.agents // 100)
     per = -(-kills // len(workers.procs))
     workers.send(f"kill {per}")
@@ -651,6 +785,226 @@ def _drive(plan: Plan, replicas: list[Replica], ports: list[int], workers: Worke
     # however long the waves took, the kills get TTL + 2 s (and a margin) to be detected
     time.sleep(max(end - time.time(), plan.ttl + 5))
     return timeline
+
+
+def _trace_false_lost(workers: Workers, monitor: Monitor, timeline: dict[str, Any]) -> None:
+    # (called before the kills, for the failover, and at the end: the history holds
+    # about the last 200 s of each agent; a node traced already keeps its first trace)
+    """Each node Lost while its agent was alive: its agent's last lease attempts (which
+    replica, the answer, how long it took) and the server's last renewal, in seconds from
+    the leader's kill, into bench/results/fleet-false-lost.json."""
+    killed = {name: m["at"] for m in workers.of("killed") for name in m["names"]}
+    names = sorted(n for n, times in monitor.entries.items()
+                   if n not in killed or min(times) < killed[n])
+    traces: dict[str, Any] = timeline.setdefault("false_lost_traces", {})
+    names = [n for n in names if n not in traces]
+    if not names:
+        return
+    # and, to compare, a few agents that were never Lost (both replicas' first agents)
+    prefix = names[0].rsplit("-", 1)[0]
+    alive = [f"{prefix}-{i}" for i in range(0, 1000, 37)
+             if f"{prefix}-{i}" not in monitor.entries and f"alive {prefix}-{i}" not in traces]
+    asked = len(workers.of("trace"))
+    workers.send("trace " + " ".join(names + alive))
+    workers.wait_for("trace", asked + len(workers.procs), timeout=60)
+    zero = timeline.get("leader_killed_at") or 0.0
+    for message in workers.of("trace")[asked:]:
+        for name, history in message["agents"].items():
+            renewed = monitor.lost_renewed.get(name)
+            if name not in monitor.entries:
+                traces[f"alive {name}"] = [[round(t - zero, 2), port, status, round(took, 3),
+                                            note] for t, port, status, took, note in history]
+                continue
+            traces[name] = {
+                "lost_s": [round(t - zero, 2) for t in monitor.entries[name]],
+                "server_last_renewed_s": None if renewed is None else round(renewed - zero, 2),
+                "attempts": [[round(t - zero, 2), port, status, round(took, 3), note]
+                             for t, port, status, took, note in history
+                             if t > min(monitor.entries[name]) - 60]}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "fleet-false-lost.json").write_text(json.dumps(traces, indent=1) + "\n")
+
+
+#: The holder the bench writes into the controllers' lease to pause scheduling.
+PAUSE_HOLDER = "fleet-bench:scheduling-paused"
+
+
+def _pause_scheduling(engine: sa.Engine) -> None:
+    """Pause the controllers the way a leader change does: the bench takes their lease
+    (a new epoch, held for an hour by a holder that runs nothing), so the leader's next
+    write fails its fence (services/leadership.py) and neither replica leads."""
+    with engine.begin() as db:
+        db.execute(sa.text(
+            "UPDATE controller_leases SET holder = :h, token = token + 1,"
+            " expires_at = now() + interval '1 hour' WHERE name = 'controllers'"),
+            {"h": PAUSE_HOLDER})
+
+
+def _release_scheduling(engine: sa.Engine) -> None:
+    """Let the lease lapse now: a replica takes it over at its next try (TTL/3 at most)."""
+    with engine.begin() as db:
+        db.execute(sa.text("UPDATE controller_leases SET expires_at = now()"
+                           " WHERE name = 'controllers' AND holder = :h"), {"h": PAUSE_HOLDER})
+
+
+def _leader_replica(monitor: Monitor, replicas: list[Replica], since: float,
+                    timeout: float = 60.0) -> Replica | None:
+    """The replica whose process holds the controllers' lease after ``since`` (the holder
+    names its pid, leadership.new_holder)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for t, holder, _ in reversed(monitor.leader):
+            if t < since:
+                break
+            for replica in replicas:
+                if holder and replica.process and f":{replica.process.pid}:" in holder:
+                    return replica
+        time.sleep(0.1)
+    return None
+
+
+def _pass_metrics(replica: Replica) -> tuple[float, float]:
+    """(passes, seconds in them) from the replica's /metrics (this process's counters)."""
+    count = total = 0.0
+    with suppress(httpx.HTTPError):
+        for line in httpx.get(f"{replica.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("gpucloud_scheduler_pass_duration_seconds_count"):
+                count = float(line.split()[-1])
+            elif line.startswith("gpucloud_scheduler_pass_duration_seconds_sum"):
+                total = float(line.split()[-1])
+    return count, total
+
+
+def _profilers(replicas: list[Replica], workers: Workers, tag: str) -> list[Any]:
+    """py-spy on each replica and on the first agent worker (bench/pyspy.py)."""
+    if not pyspy.available():
+        print("no py-spy: no profile (.venv/bin/pip install py-spy)", flush=True)
+        return []
+    folder = Path(tempfile.mkdtemp(prefix="gpucloud-fleet-profile-"))
+    targets = [(f"replica-{r.name}", r.process.pid) for r in replicas if r.process]
+    targets.append(("agent-worker-0", workers.procs[0].pid))
+    return [(name, pyspy.Profiler(pid, folder / f"{tag}-{name}.raw").start())
+            for name, pid in targets]
+
+
+def _profiles(profilers: list[Any]) -> dict[str, Any]:
+    return {name: profiler.stop() for name, profiler in profilers}
+
+
+@contextmanager
+def _ramp_profiled(plan: Plan, replicas: list[Replica], workers: Workers
+                   ) -> Iterator[dict[str, Any]]:
+    """Profiles of the registrations' ramp (``plan.profile_s``, else the whole ramp:
+    while the fleet registers); written to RESULTS/fleet-ramp-profile.json as well, so
+    that a ramp which does not finish still leaves its profile."""
+    found: dict[str, Any] = {}
+    if not plan.profile_s:
+        yield found
+        return
+    profilers = _profilers(replicas, workers, "ramp")
+    try:
+        yield found
+    finally:
+        found.update(_profiles(profilers))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "fleet-ramp-profile.json").write_text(json.dumps(found, indent=1) + "\n")
+
+
+@contextmanager
+def _profiled(plan: Plan, replicas: list[Replica], workers: Workers
+              ) -> Iterator[dict[str, Any]]:
+    """Profiles for ``plan.profile_s`` seconds from 10 % into the run (before the leader's
+    kill at 20 %), taken on a thread of their own while the run goes on."""
+    found: dict[str, Any] = {}
+    if not plan.profile_s:
+        yield found
+        return
+
+    def record() -> None:
+        time.sleep(plan.duration * 0.1)
+        profilers = _profilers(replicas, workers, "steady")
+        time.sleep(plan.profile_s)
+        found.update(_profiles(profilers))
+
+    thread = threading.Thread(target=record, daemon=True)
+    thread.start()
+    yield found
+    thread.join(timeout=plan.profile_s + 60)
+
+
+def _drive_backlog(plan: Plan, replicas: list[Replica], ports: list[int], workers: Workers,
+                   monitor: Monitor) -> dict[str, Any]:
+    """A backlog, then its drain: scheduling paused (``_pause_scheduling``), ``backlog``
+    pods created through the API, scheduling released; measured until every one is bound
+    (Pending -> bound through the real controllers and database, 10,000 nodes' agents
+    renewing and long-polling meanwhile, and reporting their pods Running)."""
+    timeline: dict[str, Any] = {}
+    _pause_scheduling(monitor.engine)
+    time.sleep(2.0)  # a pass in flight ends on its fence
+    bound_before = monitor.samples[-1][2] if monitor.samples else 0
+    seconds, errors, codes = asyncio.run(_create_pods(ports, 0, plan.backlog, 32))
+    created = plan.backlog - errors
+    timeline["backlog_create"] = {"pods": plan.backlog, "create_s": round(seconds, 2),
+                                  "creates_per_s": round(plan.backlog / seconds, 1),
+                                  "errors": errors, "error_codes": codes}
+    print(f"backlog: {created} pods created in {seconds:.1f} s; releasing", flush=True)
+    profilers = _profilers(replicas, workers, "drain") if plan.profile_s else []
+    cpu0 = [r.cpu() for r in replicas] + [workers.cpu()]
+    passes0 = [_pass_metrics(r) for r in replicas]
+    released = time.time()
+    _release_scheduling(monitor.engine)
+    leader = _leader_replica(monitor, replicas, released)
+    deadline = time.time() + max(300.0, plan.duration)
+    while time.time() < deadline and (
+            not monitor.samples or monitor.samples[-1][2] < bound_before + created):
+        time.sleep(0.25)
+    done = time.time()
+    cpu = [(c1 - c0) / (done - released) for c0, c1 in
+           zip(cpu0, [r.cpu() for r in replicas] + [workers.cpu()], strict=True)]
+    passes = [(c1 - c0, s1 - s0) for (c0, s0), (c1, s1) in
+              zip(passes0, [_pass_metrics(r) for r in replicas], strict=True)]
+    timeline["profiles"] = _profiles(profilers)
+    timeline["backlog"] = _drain_figures(monitor, released, bound_before, created) | {
+        "leader": leader.name if leader else None,
+        "cpu_cores_during_drain": {f"replica_{r.name}": round(c, 2) for r, c in
+                                   zip(replicas, cpu, strict=False)}
+                                  | {"agent_workers": round(cpu[-1], 2)},
+        "leader_cpu_cores": (round(cpu[replicas.index(leader)], 2) if leader else None),
+        "passes": {r.name: {"count": int(n), "seconds": round(s, 2)}
+                   for r, (n, s) in zip(replicas, passes, strict=True) if n},
+    }
+    time.sleep(5)  # the agents' reports of the last pods
+    return timeline
+
+
+def _drain_figures(monitor: Monitor, released: float, bound_before: int,
+                   created: int) -> dict[str, Any]:
+    """From the monitor's samples: when the first pod was bound after the release, when
+    the last, and the rate in between (and with the takeover's wait included)."""
+    drain = [(t, b - bound_before) for t, _, b in monitor.samples if t >= released]
+    started = next((t for t, b in drain if b > 0), None)
+    finished = next((t for t, b in drain if b >= created), None)
+    bound = drain[-1][1] if drain else 0
+    out: dict[str, Any] = {"pods": created, "bound": bound,
+                           "takeover_to_first_bind_s": (round(started - released, 2)
+                                                        if started else None)}
+    # of which: until a replica held the lease again (its next try: within TTL/3), and
+    # from then to the first bind (its new epoch's work, the first pass's snapshot)
+    led = next((t for t, holder, _ in monitor.leader
+                if t >= released and holder and holder != PAUSE_HOLDER), None)
+    out["release_to_leader_s"] = round(led - released, 2) if led else None
+    if led and started:
+        out["leader_to_first_bind_s"] = round(started - led, 2)
+    if started and finished and finished > started:
+        # the first sample with binds is already into the drain: count from the sample
+        # before it (binds commit per 1,000-pod chunk, so the edges are coarse)
+        before = max((t for t, b in drain if b == 0), default=released)
+        out["drain_s"] = round(finished - before, 2)
+        out["pods_per_s"] = round(created / (finished - before), 1)
+        out["pods_per_s_incl_takeover"] = round(created / (finished - released), 1)
+        _, best = _throughput([(t, created - b, b) for t, b in drain])
+        out["best_1s_pods_per_s"] = round(best, 1)
+    return out
 
 
 def _failover_seconds(monitor: Monitor, killed_at: float, holder: str | None) -> float | None:
@@ -699,10 +1053,13 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
     renewals = sum(s["renewals"] for s in stats)
     return {
         "mode": "quick" if plan.quick else "full",
-        "agents": plan.agents, "agent_processes": plan.processes, "replicas": 2,
+        "agents": plan.agents, "agent_processes": plan.processes,
+        "topology": plan.topology, "replicas": len(TOPOLOGIES[plan.topology]),
         "server_workers_per_replica": plan.server_workers,
         "lease_ttl_s": plan.ttl, "measured_s": round(elapsed, 1),
-        "register_all_s": round(registered_s, 1),
+        "register_all_s": round(registered_s, 1), "register_ramp_s": plan.ramp_s,
+        "register_retries": sum(s["register_retries"] for s in stats),
+        "register_error_codes": _summed(s.get("register_error_codes", {}) for s in stats),
         "lease_renewals": renewals,
         "lease_renewals_per_s": round(renewals / elapsed, 1),
         "renewal_p50_ms": _percentile(histogram, 0.5),
@@ -728,13 +1085,16 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "scheduling_best_1s_pods_per_s": round(best, 1),
         "scheduling_pods_per_s_backlog_256": round(behind, 1),
         "leader_failover_s": timeline.get("failover_s"),
-        "cpu_cores_per_replica": [round(c, 2) for c in cpu],
+        "cpu_cores_per_replica": {name: round(c, 2) for (name, *_), c in
+                                  zip(TOPOLOGIES[plan.topology], cpu, strict=True)},
         "cpu_cores_agent_workers": round(agent_cpu, 2),
         "machine_cores": os.cpu_count(),
         "waves": {"1": timeline.get("wave1"), "2": timeline.get("wave2")},
         "postgres_active_waits": dict(sorted(monitor.waits.items(),
                                              key=lambda kv: -kv[1])[:12]),
-    }
+    } | {key: timeline[key] for key in ("backlog_create", "backlog", "profiles",
+                                        "profiles_ramp")
+         if key in timeline}
 
 
 def main() -> None:
@@ -748,8 +1108,28 @@ def main() -> None:
     parser.add_argument("--pods", type=int)
     parser.add_argument("--server-workers", type=int, default=1,
                         help="processes per replica (gpucloud server --workers)")
+    parser.add_argument("--backlog", type=int, default=0,
+                        help="create this many pods while scheduling is paused, release, "
+                        "and measure their drain (instead of the waves and kills)")
+    parser.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                        help="py-spy profiles of the replicas and an agent worker: the "
+                        "drain of --backlog, else SECONDS from 10 %% into the run")
+    parser.add_argument("--ramp", type=float, metavar="SECONDS",
+                        help="the agents register at random times within SECONDS "
+                        "(default: agents / 100, as a fleet booting over minutes)")
+    parser.add_argument("--topology", choices=sorted(TOPOLOGIES), default="shared",
+                        help="shared: 2 replicas, each runs the controllers and takes "
+                        "agents; split: the agents on 2 --no-controllers replicas, the "
+                        "controllers on 2 others (a leader and a standby)")
+    parser.add_argument("--variants", metavar="T1,T2,...",
+                        help="run the bench once per topology named, in this order (a "
+                        "name may repeat: shared,split,shared,split), each on a fresh "
+                        "cluster, and compare them as ratios to the first "
+                        "(bench/results/fleet-variants.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # stopped (timeout, kill): unwind, so that the replicas and PostgreSQL are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.worker:
         asyncio.run(_worker(json.loads(args.worker)))
         return
@@ -758,13 +1138,79 @@ def main() -> None:
                 processes=args.processes or (2 if quick else 8),
                 duration=args.duration or (600.0 if quick else 1800.0), ttl=args.ttl,
                 pods=args.pods or (2000 if quick else 20_000), quick=quick,
-                server_workers=args.server_workers)
+                server_workers=args.server_workers, backlog=args.backlog,
+                profile_s=args.profile)
+    plan.ramp_s = plan.agents / 100 if args.ramp is None else args.ramp
+    if args.variants:
+        _run_variants(plan, args.variants.split(","))
+        return
+    plan.topology = args.topology
     result = run(plan)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "fleet.json"
+    out = RESULTS / ("fleet-backlog.json" if plan.backlog else "fleet.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     for key, value in result.items():
         print(f"{key:>32}: {value}")
+
+
+#: What ``--variants`` compares, as (label, path into a run's result).
+_COMPARED = [("pods_per_s_from_release", ("backlog", "pods_per_s_incl_takeover")),
+             ("pods_per_s_from_first_bind", ("backlog", "pods_per_s")),
+             ("takeover_to_first_bind_s", ("backlog", "takeover_to_first_bind_s")),
+             ("release_to_leader_s", ("backlog", "release_to_leader_s")),
+             ("leader_to_first_bind_s", ("backlog", "leader_to_first_bind_s")),
+             ("leader_cpu_cores", ("backlog", "leader_cpu_cores")),
+             ("scheduling_pods_per_s", ("scheduling_pods_per_s",)),
+             ("renewal_p99_ms", ("renewal_p99_ms",)),
+             ("false_lost", ("false_lost",))]
+
+
+def _figure(result: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = result
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _run_variants(plan: Plan, topologies: list[str]) -> None:
+    """One run per topology named (fresh cluster each, the same plan otherwise), then
+    each figure of ``_COMPARED`` per run, the mean per topology and its ratio to the
+    first topology's: runs back to back share the machine's load of the moment, so
+    ratios hold where absolute figures on a shared machine do not."""
+    unknown = sorted(set(topologies) - set(TOPOLOGIES))
+    if unknown:
+        raise SystemExit(f"unknown topologies: {', '.join(unknown)}")
+    runs: list[dict[str, Any]] = []
+    for topology in topologies:
+        print(f"-- variant {topology} ({len(runs) + 1}/{len(topologies)})", flush=True)
+        started = time.time()
+        result = run(replace(plan, topology=topology))
+        result["load_average"] = os.getloadavg()[0]
+        result["wall_s"] = round(time.time() - started, 1)
+        runs.append(result)
+        print(f"-- variant {topology}: " + ", ".join(  # as it ends: a cut run keeps it
+            f"{label} {_figure(result, path)}" for label, path in _COMPARED), flush=True)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "fleet-variants.json").write_text(json.dumps({"runs": runs}) + "\n")
+    means: dict[str, dict[str, float | None]] = {}
+    for topology in dict.fromkeys(topologies):
+        of = [r for r in runs if r["topology"] == topology]
+        means[topology] = {}
+        for label, path in _COMPARED:
+            values = [v for r in of if (v := _figure(r, path)) is not None]
+            means[topology][label] = round(sum(values) / len(values), 2) if values else None
+    base = means[topologies[0]]
+    ratios = {t: {label: (round(v / b, 2) if v is not None and (b := base[label]) else None)
+                  for label, v in m.items()} for t, m in means.items()}
+    out = {"variants": topologies, "means": means, f"ratios_to_{topologies[0]}": ratios,
+           "runs": runs}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "fleet-variants.json").write_text(json.dumps(out, indent=2) + "\n")
+    for topology, figures in means.items():
+        print(f"{topology:>8}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+    for topology, figures in ratios.items():
+        print(f"{topology:>8} / {topologies[0]}: "
+              + ", ".join(f"{k} {v}" for k, v in figures.items()))
 
 
 if __name__ == "__main__":

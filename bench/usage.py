@@ -12,21 +12,23 @@ stand for the other machines of a fleet, so their JSON encoding neither blocks t
 loop that times the creates nor takes the creates' CPU; the server and PostgreSQL carry
 the whole ingest.
 
-Rounds, in one run (the machine is shared: compare within a run):
-
-1. pod creates alone (p99);
-2. ingest alone: the capacity, ``--samples`` samples;
-3. pod creates while ingest runs at saturation the whole time (ingest keeps going until
-   the creates are done): create p99 and the ingest rate during that window;
-4. pod creates alone again. The pods created stay pending, so the scheduler sharing the
-   workers has more to go through each round: the p99 "alone" compared with round 3 is
-   the mean of rounds 1 and 4, which bracket it.
+Rounds, in one run (the machine is shared: compare within a run): ingest alone first
+(``--samples`` samples: the capacity), then ``--rounds`` pairs of create rounds
+interleaved, alone and while ingesting, and one more alone at the end (``--creates``
+creates each): alone, ingesting, alone, …, ingesting, alone. While ingesting, ingest runs
+at saturation from a second before the first create until after the last one. The pods
+created stay pending, so the scheduler sharing the workers has a little more to go
+through each round; the alone rounds bracket the others, so a drift weighs on both
+conditions alike. Per condition the creates are pooled: the p99 of ``rounds × creates``
+latencies, each round's own p99 (the round-to-round spread), and a bootstrap over whole
+rounds for 95 % intervals of both p99s and of their ratio.
 
 Reports samples/s, the shed (503) and retried batches, and that no sample was lost: the
 rows in ``usage_samples`` equal the distinct samples sent. Prints a JSON line; writes
 bench/results/usage.json.
 
     .venv/bin/python bench/usage.py [--pods 1000] [--nodes 100] [--samples 200000]
+        [--rounds 10] [--creates 500]
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import asyncio
 import json
 import multiprocessing
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -51,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 from sqlalchemy import text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +75,19 @@ LEASE_TTL = 60
 LEASE_EVERY = 5.0
 #: The simulated agents' process runs at this nice level (see Agents).
 AGENTS_NICE = 19
+#: Seconds between rounds: ingest's last batches and the busy stretch are over.
+SETTLE_SECONDS = 1.0
+#: pg_stat_activity is sampled this often during the create rounds (see Waits).
+WAITS_EVERY = 0.01
+_WAITS = (
+    "SELECT CASE WHEN application_name = 'gpucloud-usage-ingest' THEN 'ingest' ELSE 'api'"
+    " END, coalesce(wait_event_type || ':' || wait_event, 'CPU'), count(*)"
+    " FROM pg_stat_activity WHERE state = 'active' AND backend_type = 'client backend'"
+    " AND pid <> pg_backend_pid() GROUP BY 1, 2")
+#: Every PLACED_EVERY samples, where the ingest backends are (cgroup, nice: see Waits).
+PLACED_EVERY = 20
+_INGEST_PIDS = ("SELECT pid FROM pg_stat_activity"
+                " WHERE application_name = 'gpucloud-usage-ingest'")
 
 
 class NodeClient(RawClient):
@@ -80,7 +98,20 @@ class NodeClient(RawClient):
         self.token = token
 
     async def post_as_node(self, path: str, body: bytes) -> tuple[int, float | None]:
-        """The status and the ``Retry-After`` seconds (None when absent)."""
+        """The status and the ``Retry-After`` seconds (None when absent). A keep-alive
+        connection the server closed meanwhile (idle past its timeout on a loaded
+        machine) is opened again and the batch resent, as an HTTP client does."""
+        try:
+            return await self._post_once(path, body)
+        except (ConnectionError, IndexError, asyncio.IncompleteReadError):
+            try:
+                await self.close()
+            except OSError:
+                pass  # already reset by the server
+            await self.connect()
+            return await self._post_once(path, body)
+
+    async def _post_once(self, path: str, body: bytes) -> tuple[int, float | None]:
         assert self.reader and self.writer
         head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 f"Authorization: Bearer {self.token}\r\nContent-Type: application/json\r\n"
@@ -155,6 +186,95 @@ class Agents:
         if self.process.is_alive():
             self.call("quit")
         self.process.join(timeout=30)
+
+
+class Waits:
+    """What the active PostgreSQL backends wait on, sampled every WAITS_EVERY seconds
+    from a process of its own (not this one's GIL, which times the creates): per class,
+    ``ingest`` (the ingest workers' sessions, by application_name) and ``api`` (every
+    other client backend: creates, the scheduler, leases), the share of the active
+    backends seen in each wait event (``CPU``: none)."""
+
+    def __init__(self, database_url: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipe, theirs = context.Pipe()
+        dsn = database_url.replace("postgresql+psycopg://", "postgresql://")
+        self.process = context.Process(target=_waits_main, args=(theirs, dsn), daemon=True)
+        self.process.start()
+
+    @contextmanager
+    def sampled(self, name: str) -> Iterator[None]:
+        """Sample while the block runs, adding to what ``name`` has had so far."""
+        self.pipe.send(("start", name))
+        try:
+            yield
+        finally:
+            self.pipe.send(("stop", name))
+            self.pipe.recv()
+
+    def report(self) -> dict[str, Any]:
+        """Per name, over all its blocks: the shares (see _shares)."""
+        self.pipe.send(("report", ""))
+        found: dict[str, Any] = self.pipe.recv()
+        return found
+
+    def stop(self) -> None:
+        self.pipe.send(("quit", ""))
+        self.process.join(timeout=10)
+
+
+def _waits_main(pipe: Connection, dsn: str) -> None:
+    seen: dict[str, Counter[tuple[str, str]]] = {}
+    placed: dict[str, Counter[str]] = {}
+    ticks: Counter[str] = Counter()
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        while True:
+            command, name = pipe.recv()
+            if command == "quit":
+                return
+            if command == "report":
+                pipe.send({n: {**_shares(seen[n], ticks[n]),
+                               "ingest_backends_placed": dict(placed[n])} for n in seen})
+                continue
+            assert command == "start"
+            waits, where = seen.setdefault(name, Counter()), placed.setdefault(name, Counter())
+            while not pipe.poll(WAITS_EVERY):
+                ticks[name] += 1
+                for who, wait, count in connection.execute(_WAITS):
+                    waits[(who, wait)] += int(count)
+                if ticks[name] % PLACED_EVERY == 1:
+                    for (pid,) in connection.execute(_INGEST_PIDS):
+                        where[_placement(int(pid))] += 1
+            pipe.recv()  # "stop"
+            pipe.send(None)
+
+
+def _placement(pid: int) -> str:
+    """Where an ingest backend runs: its cpu cgroup (with ``cpu.idle``) and nice level."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        nice = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]
+    except OSError:
+        return "gone"
+    group = next((line.split(":", 2)[2] for line in lines
+                  if "cpu" in line.split(":")[1].split(",")), "?")
+    try:
+        idle = Path(f"/sys/fs/cgroup/cpu{group}/cpu.idle").read_text().strip()
+    except OSError:
+        idle = "-"
+    return f"cgroup {group} idle={idle} nice={nice}"
+
+
+def _shares(seen: Counter[tuple[str, str]], ticks: int) -> dict[str, Any]:
+    """Per class: mean active backends, and each wait event's share of them (top 8)."""
+    out: dict[str, Any] = {"ticks": ticks}
+    for who in ("api", "ingest"):
+        total = sum(n for (w, _), n in seen.items() if w == who)
+        waits = sorted(((wait, n) for (w, wait), n in seen.items() if w == who),
+                       key=lambda item: -item[1])[:8]
+        out[who] = {"active_mean": round(total / max(1, ticks), 3),
+                    "share": {wait: round(n / total, 3) for wait, n in waits}}
+    return out
 
 
 def _feed(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int, clients: int
@@ -312,19 +432,112 @@ async def ingest(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: i
             "batch_samples": per_pod * round(pods / max(1, len(nodes)))}
 
 
-def creates_while_ingesting(url: str, agents: Agents, args: Any
-                            ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Ingest at saturation from before the first create until after the last one."""
-    agents.call("feed", args.per_pod, args.clients, 10_000_000)
+async def _creates(url: str, prefix: str, count: int, clients: int) -> dict[str, Any]:
+    """``count`` pod creates from ``clients`` keep-alive connections: every latency (s)."""
+    port = int(url.rsplit(":", 1)[1])
+    names = [f"{prefix}-{i}" for i in range(count)]
+    latencies: list[float] = []
+    errors: list[int] = []
+    began = time.perf_counter()
+    await asyncio.gather(*(bench_api._client_loop(port, names[i::clients], latencies, errors)
+                           for i in range(clients)))
+    return {"latencies": latencies, "seconds": time.perf_counter() - began,
+            "errors": len(errors)}
+
+
+def _round_alone(url: str, index: int, args: Any) -> dict[str, Any]:
+    return asyncio.run(_creates(url, f"alone{index}", args.creates, args.create_clients))
+
+
+def _round_ingesting(url: str, index: int, agents: Agents, waits: Waits, args: Any
+                     ) -> dict[str, Any]:
+    """Ingest at saturation from before the first create until after the last one (its
+    own sequence numbers: no sample of an earlier round is sent again); the waits are
+    sampled while the creates run."""
+    agents.call("feed", args.per_pod, args.clients, 10_000_000 * (index + 1))
     time.sleep(1.0)  # ingest is in full swing before the creates begin
     before = agents.call("sent")
-    creates = asyncio.run(load(url, "during", args.creates, args.create_clients))
+    with waits.sampled("create_while_ingesting"):
+        creates = asyncio.run(_creates(url, f"during{index}", args.creates,
+                                       args.create_clients))
     window = agents.call("sent") - before
-    ingested = agents.call("stop")
-    # the rate while the creates ran (the whole round also has the ramp and the tail)
-    ingested["samples_during_creates"] = window
-    ingested["samples_per_second_during_creates"] = round(window / creates["seconds"], 1)
-    return creates, ingested
+    fed = agents.call("stop")
+    return {**creates, "fed": fed, "samples_during_creates": window}
+
+
+def _p99(latencies: list[float]) -> float:
+    """The p99 as bench/api.py takes it (the ``n // 100``-th worst), in ms."""
+    ordered = sorted(latencies)
+    return ordered[max(0, int(len(ordered) * 0.99) - 1)] * 1000
+
+
+def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one condition pooled, with each round's own p99 (its spread)."""
+    pooled = [x for r in rounds for x in r["latencies"]]
+    seconds = sum(r["seconds"] for r in rounds)
+    per_round = [round(_p99(r["latencies"]), 2) for r in rounds]  # in round order
+    ordered = sorted(per_round)
+    return {"pods": len(pooled), "rounds": len(rounds), "clients": None,
+            "seconds": round(seconds, 3), "creates_per_second": round(len(pooled) / seconds, 1),
+            "p50_ms": round(sorted(pooled)[len(pooled) // 2] * 1000, 2),
+            "p99_ms": round(_p99(pooled), 2), "p99_tail_samples": len(pooled) // 100,
+            "p99_ms_per_round": per_round,
+            "p99_ms_round_spread": [ordered[0], ordered[len(ordered) // 2], ordered[-1]],
+            "errors": sum(r["errors"] for r in rounds)}
+
+
+def _bootstrap(alone: list[dict[str, Any]], during: list[dict[str, Any]], draws: int = 1000,
+               seed: int = 12) -> dict[str, Any]:
+    """95 % intervals of each p99 and of their ratio, resampling whole rounds (with
+    replacement, per condition): a round-to-round swing of the machine widens them, as
+    it should; resampling single creates would hide it."""
+    rng = random.Random(seed)
+    ratios, lows, highs = [], [], []
+    for _ in range(draws):
+        a = _p99([x for r in rng.choices(alone, k=len(alone)) for x in r["latencies"]])
+        b = _p99([x for r in rng.choices(during, k=len(during)) for x in r["latencies"]])
+        ratios.append(b / a)
+        lows.append(a)
+        highs.append(b)
+
+    def interval(values: list[float], digits: int) -> list[float]:
+        ordered = sorted(values)
+        return [round(ordered[int(draws * 0.025)], digits),
+                round(ordered[int(draws * 0.975) - 1], digits)]
+
+    paired = _paired(alone, during)
+    medians = [statistics.median(rng.choices(paired, k=len(paired))) for _ in range(draws)]
+    return {"draws": draws, "resampled": "rounds", "p99_ms_alone_ci95": interval(lows, 2),
+            "p99_ms_while_ingesting_ci95": interval(highs, 2),
+            "create_p99_ratio_ci95": interval(ratios, 3),
+            "paired_ratios": [round(r, 3) for r in paired],
+            "paired_ratio_median": round(statistics.median(paired), 3),
+            "paired_ratio_median_ci95": interval(medians, 3)}
+
+
+def _paired(alone: list[dict[str, Any]], during: list[dict[str, Any]]) -> list[float]:
+    """Each ingesting round's p99 over the mean of the two alone rounds around it: a
+    drift of the machine across the run cancels within each pair."""
+    return [_p99(d["latencies"]) / ((_p99(alone[i]["latencies"])
+                                     + _p99(alone[i + 1]["latencies"])) / 2)
+            for i, d in enumerate(during)]
+
+
+def _ingest_during(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ingesting rounds' feeds summed; the rate while the creates ran."""
+    fed = [r["fed"] for r in rounds]
+    window = sum(r["samples_during_creates"] for r in rounds)
+    seconds = sum(f["seconds"] for f in fed)
+    errors: Counter[str] = Counter()
+    for f in fed:
+        errors.update({str(k): v for k, v in f["errors"].items()})
+    return {"samples": sum(f["samples"] for f in fed), "seconds": round(seconds, 3),
+            "samples_per_second": round(sum(f["samples"] for f in fed) / seconds, 1),
+            "shed_503": sum(f["shed_503"] for f in fed),
+            "batches_retried": sum(f["batches_retried"] for f in fed), "errors": dict(errors),
+            "batch_samples": fed[0]["batch_samples"], "samples_during_creates": window,
+            "samples_per_second_during_creates": round(
+                window / sum(r["seconds"] for r in rounds), 1)}
 
 
 def main() -> None:
@@ -335,12 +548,15 @@ def main() -> None:
     parser.add_argument("--per-pod", type=int, default=50,
                         help="samples per pod in one batch (an agent's backlog)")
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--creates", type=int, default=600)
+    parser.add_argument("--creates", type=int, default=500, help="creates per round")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="rounds while ingesting (alone: one more)")
     parser.add_argument("--create-clients", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--output", default=str(RESULTS / "usage.json"))
     parser.add_argument("--profile", metavar="PATH",
-                        help="py-spy the server's workers during round 3 (collapsed stacks)")
+                        help="py-spy the server's workers during the rounds while ingesting "
+                             "(raw collapsed stacks, PATH.<round>)")
     args = parser.parse_args()
     os.environ["GPUCLOUD_LEASE_TTL"] = str(LEASE_TTL)  # the server's environment
     with postgres_server(durable=True) as database_url:
@@ -388,14 +604,16 @@ def _stored(database_url: str) -> int:
 
 
 @contextmanager
-def _profiled(args: Any) -> Iterator[None]:
-    """``py-spy record`` of the server and its workers while the block runs."""
+def _profiled(args: Any, index: int) -> Iterator[None]:
+    """``py-spy record`` of the server, its workers and their ingest workers while the
+    block runs (``PATH.<round>``)."""
     if not args.profile:
         yield
         return
     spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record",
                             "--pid", str(args.server_pid), "--subprocesses", "--nonblocking",
-                            "--idle", "--threads", "-f", "raw", "-r", "50", "-o", args.profile],
+                            "--idle", "--threads", "-f", "raw", "-r", "50",
+                            "-o", f"{args.profile}.{index}"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(2)  # attached
     try:
@@ -407,39 +625,62 @@ def _profiled(args: Any) -> Iterator[None]:
 
 def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
     nodes, agents = setup(url, args.nodes, args.pods)
+    waits = Waits(database_url)
+    alone: list[dict[str, Any]] = []
+    during: list[dict[str, Any]] = []
     try:
         pods = sum(len(n["pods"]) for n in nodes)
         asyncio.run(load(url, "warmup", 200, args.create_clients))
-        alone = asyncio.run(load(url, "alone", args.creates, args.create_clients))
         batches = max(1, args.samples // (pods * args.per_pod))
         ingest_alone = agents.call("ingest", batches, args.per_pod, args.clients, 0)
-        # the second round: later sequence numbers of every pod
-        with _profiled(args):
-            during, ingest_during = creates_while_ingesting(url, agents, args)
-        after = asyncio.run(load(url, "after", args.creates, args.create_clients))
+        time.sleep(SETTLE_SECONDS)
+        for index in range(args.rounds):
+            with waits.sampled("create_alone"):
+                alone.append(_round_alone(url, index, args))
+            time.sleep(SETTLE_SECONDS)
+            with _profiled(args, index):
+                during.append(_round_ingesting(url, index, agents, waits, args))
+            time.sleep(SETTLE_SECONDS)
+        with waits.sampled("create_alone"):  # the last: alone rounds bracket the others
+            alone.append(_round_alone(url, args.rounds, args))
         sent, lease_failures = agents.call("sent"), agents.call("failures")
+        seen = waits.report()
     finally:
         agents.stop()
+        waits.stop()
     stored = _stored(database_url)
-    # Each create round leaves its pods pending (GPU pods, no GPU nodes), and the
-    # scheduler in the workers goes through more of them each round: the creates alone
-    # before and after bracket the round with ingest (its pending count is their mean).
-    control = round((alone["p99_ms"] + after["p99_ms"]) / 2, 2)
+    control, loaded = _summary(alone), _summary(during)
+    for summary in (control, loaded):
+        summary["clients"] = args.create_clients
+    spread = _bootstrap(alone, during)
     return {
         "backend": "postgresql", "pods": pods, "nodes": args.nodes,
         "server_workers": args.workers,
-        "ingest_alone": ingest_alone, "ingest_while_creating": ingest_during,
-        "create_alone": alone, "create_while_ingesting": during, "create_alone_after": after,
-        "create_p99_ms_alone": control,
-        "create_p99_ms_while_ingesting": during["p99_ms"],
-        "create_p99_change_percent": round((during["p99_ms"] / control - 1) * 100, 1),
+        "rounds": f"{args.rounds + 1} alone and {args.rounds} while ingesting, "
+                  f"{args.creates} creates each, interleaved (alone first and last)",
+        "ingest_alone": ingest_alone, "ingest_while_creating": _ingest_during(during),
+        "create_alone": control, "create_while_ingesting": loaded,
+        "create_p99_ms_alone": control["p99_ms"],
+        "create_p99_ms_while_ingesting": loaded["p99_ms"],
+        "create_p99_change_percent": round((loaded["p99_ms"] / control["p99_ms"] - 1) * 100,
+                                           1),
+        "create_p99_ratio": round(loaded["p99_ms"] / control["p99_ms"], 3),
+        "create_p99_ratio_ci95": spread["create_p99_ratio_ci95"],
+        "create_p99_paired_ratio_median": spread["paired_ratio_median"],
+        "bootstrap": spread,
         "lease_failures": lease_failures,
+        "waits": seen,
         "samples_sent": sent, "samples_stored": stored, "samples_lost": sent - stored,
         "target_samples_per_second": 20_000,
         "agents": f"simulated agents in their own process, batches sent at nice {AGENTS_NICE}"
                   " (they stand for other machines; lease renewals at 0); the server and "
                   "PostgreSQL carry the ingest",
         "server_ingest": os.environ.get("GPUCLOUD_USAGE_INGEST", "auto"),
+        "ingest_commit": os.environ.get("GPUCLOUD_USAGE_INGEST_COMMIT", "lazy"),
+        "ingest_backends": os.environ.get("GPUCLOUD_USAGE_INGEST_BACKENDS", "normal"),
+        "ingest_cgroup": os.environ.get("GPUCLOUD_USAGE_INGEST_CGROUP", "auto"),
+        "ingest_pause": os.environ.get("GPUCLOUD_USAGE_INGEST_PAUSE", "on"),
+        "load_average": Path("/proc/loadavg").read_text().split()[:3],
     }
 
 

@@ -20,6 +20,29 @@ from tests.fixtures.postgres import postgres_server
 
 ADMIN_KEY = "gpc_test-admin-key-0123456789"
 
+#: Test directories, longest-running files first. ``make test`` hands whole files to its two
+#: xdist workers in collection order (``--dist loadfile --no-loadscope-reorder``): the
+#: minutes-long ones (a schemathesis run per database, faults and replicas with real lease
+#: expiry, agents running containers) start first and the many short unit files fill the
+#: tail, so neither worker idles at the end while the other finishes a long file. xdist's
+#: own reordering (most tests first) put the single-test, longest files last.
+LONGEST_FIRST = ("fuzz", "faults", "replicas", "e2e", "integration", "unit")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the items by ``LONGEST_FIRST`` directory (stable: file order kept within)."""
+    root = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        try:
+            directory = item.path.relative_to(root).parts[0]
+        except ValueError:
+            return len(LONGEST_FIRST)
+        return LONGEST_FIRST.index(directory) if directory in LONGEST_FIRST \
+            else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
+
 
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:

@@ -26,7 +26,7 @@ import uvicorn
 
 from gpucloud.api.app import create_app
 from gpucloud.client.sdk import GpucloudClient
-from gpucloud.core.models import PodOut
+from gpucloud.core.models import NodeOut, PodOut
 from gpucloud.core.settings import Settings
 from gpucloud.images import ImageManager
 from gpucloud.images.lazy.client import LazyfsClient
@@ -151,6 +151,22 @@ class Cloud:
             self.wait_node(name, "Ready")
         return agent
 
+    def restart_agent(self, agent: AgentProcess, timeout: float = 30) -> None:
+        """Kill -9 ``agent`` and start it again; back once the new process holds the lease
+        (its fencing token moved on), not merely while the old grant is still Ready."""
+        before = self._node(agent.name).fencing_token
+        agent.kill()
+        agent.start()
+
+        def resumed() -> bool:
+            node = self._node(agent.name)
+            return node.fencing_token > before and node.status == "Ready"
+
+        wait_for(resumed, timeout, f"the restarted agent {agent.name} to hold its lease")
+
+    def _node(self, name: str) -> NodeOut:
+        return next(n for n in self.client.list_nodes() if n.name == name)
+
     def wait_node(self, name: str, status: str, timeout: float = 20) -> None:
         def check() -> bool:
             return any(n.name == name and n.status == status for n in self.client.list_nodes())
@@ -162,7 +178,13 @@ class Cloud:
             pod = self.client.get_pod(name)
             return pod if pod.phase in phases else None
 
-        return wait_for(check, timeout, f"pod {name} to be {' or '.join(phases)}")
+        try:
+            return wait_for(check, timeout, f"pod {name} to be {' or '.join(phases)}")
+        except pytest.fail.Exception as timed_out:
+            pod = self.client.get_pod(name)
+            nodes = {n.name: n.status for n in self.client.list_nodes()}
+            pytest.fail(f"{timed_out}; it is {pod.phase} ({pod.reason or 'no reason'}) on "
+                        f"{pod.node or 'no node'}: {pod.message}; nodes {nodes}")
 
     def wait_log(self, name: str, needle: str, timeout: float = 20) -> str:
         def check() -> str | None:
@@ -191,7 +213,14 @@ def running_cloud(workdir: Path, lease_ttl: float = LEASE_TTL,
                         restart_backoff_seconds=0.2, restart_backoff_max_seconds=1.0,
                         preemption_grace_seconds=preemption_grace, ssh_port=ssh_port,
                         **overrides)
-    server = ServerThread(settings, port or free_port())
+    with cloud_on(ServerThread(settings, port or free_port()), workdir) as cloud:
+        yield cloud
+
+
+@contextmanager
+def cloud_on(server: ServerThread, workdir: Path) -> Iterator[Cloud]:
+    """``server`` started, as a cloud with agents added on demand; at the end its agents
+    are stopped and their nodes cleaned, then the server stopped."""
     server.start()
     cloud = Cloud(server.url, GpucloudClient(server.url, ADMIN_KEY), workdir, server)
     try:

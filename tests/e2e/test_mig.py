@@ -60,7 +60,8 @@ def test_seven_1g_fill_an_h100_the_eighth_waits_and_slots_agree(
 
 
 def test_3g_and_4g_share_one_gpu_restart_adopts_and_policy_off_refuses(
-        cloud: Cloud, images: PushedImages) -> None:
+        patient_cloud: Cloud, images: PushedImages) -> None:
+    cloud = patient_cloud  # the node stays Ready while its agent restarts
     agent = cloud.agent("mig-b", simulate="h100-1")
     cloud.create_pod("three", images.busybox, PROBE, mig="3g.40gb")
     cloud.create_pod("four", images.busybox, PROBE, mig="4g.40gb")
@@ -68,9 +69,7 @@ def test_3g_and_4g_share_one_gpu_restart_adopts_and_policy_off_refuses(
     assert three.gpu_uuids == four.gpu_uuids
     assert {three.mig_slot, four.mig_slot} == {0, 4} and four.mig_slot == 0
     before = _node_instances(agent)
-    agent.kill()
-    agent.start()
-    cloud.wait_node("mig-b", "Ready")
+    cloud.restart_agent(agent)
     assert _node_instances(agent) == before  # adopted, not remade
     assert cloud.client.get_pod("three").phase == "Running"
     node = cloud.client.set_mig_policy("mig-b", "off")

@@ -89,9 +89,17 @@ def _job(cloud: Cloud, name: str, *phases: str) -> JobOut:
     return wait_for(check, 60, f"job {name} to be {' or '.join(phases)}")
 
 
+#: Rank 0 listens on its node's address; rank 1 connects until it is up (the product
+#: starts the members together, not a program's listener before the other's connect: a
+#: real job's client retries too, as torchrun's does). Rank 0's stdin is a FIFO held open,
+#: not the container's /dev/null: busybox ``nc`` at end of its stdin half-closes the
+#: connection once accepted, and rank 1's ``nc`` then exits 0 on that end of stream
+#: without sending when its ``echo`` has not written into the pipe yet (on a loaded
+#: machine): rank 0 got an empty message.
 RENDEZVOUS = (
     "if [ \"$GPUCLOUD_NODE_RANK\" = 0 ]; then "
-    "  nc -l -p \"$MASTER_PORT\" > /tmp/got && echo \"rank0 got: $(cat /tmp/got)\"; "
+    "  mkfifo /tmp/in && exec 3<>/tmp/in && "
+    "  nc -l -p \"$MASTER_PORT\" <&3 > /tmp/got && echo \"rank0 got: $(cat /tmp/got)\"; "
     "else "
     "  i=0; until echo \"hello from rank $GPUCLOUD_NODE_RANK\" | nc \"$MASTER_ADDR\" "
     "\"$MASTER_PORT\"; do i=$((i+1)); [ $i -gt 100 ] && exit 3; sleep 0.1; done; "

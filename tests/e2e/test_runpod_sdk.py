@@ -114,7 +114,7 @@ def test_sdk_network_volume_registry_auth_and_in_place_restart(
     sdk.wait_log("boots", "boots=1")
     restarted = run_graphql_query(f'mutation {{ podRestart(input: {{podId: "{pod["id"]}"}}) '
                                   "{ id desiredStatus } }")["data"]["podRestart"]
-    assert restarted == {"id": pod["id"], "desiredStatus": "CREATED"}
+    assert restarted == {"id": pod["id"], "desiredStatus": "RESTARTING"}  # answered at once
     _status(pod["id"], "RUNNING")
     sdk.wait_log("boots", "boots=2")
     runpod.terminate_pod(pod["id"])

@@ -49,9 +49,9 @@ def live_target(home: Path, database_url: str) -> Iterator[Target]:
     settings = Settings(home=home, database_url=database_url, admin_key=ADMIN_KEY,
                         lease_ttl_seconds=30.0, auth_failure_burst=10**9,
                         auth_failures_per_minute=10.0**9,
-                        # serverless long polls answer within the fuzzer's request timeout
+                        # long polls answer within the fuzzer's request timeout
                         serverless_long_poll_seconds=1.0,
-                        serverless_runsync_max_wait_seconds=1.0)
+                        serverless_runsync_max_wait_seconds=1.0, log_wait_max_seconds=1.0)
     with live_server(settings) as url:
         admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
         with httpx.Client(base_url=url, headers=admin, timeout=30) as client:

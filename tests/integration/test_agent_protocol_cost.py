@@ -9,6 +9,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import asyncssh
 import pytest
 from fastapi import HTTPException
 from fastapi.testclient import TestClient
@@ -73,6 +74,35 @@ def test_a_kept_answer_is_built_again_after_its_max_age() -> None:
     assert cache.kept("n1", 4) is None  # another revision: never the kept one
     now[0] = assignment_answers.MAX_AGE_S + 1
     assert cache.kept("n1", 3) is None
+
+
+def test_edited_ssh_keys_and_registry_logins_reach_the_next_poll(
+    api: TestClient, register_node: Callable[..., dict[str, Any]],
+    schedule: Callable[[], Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What an answer derives from without a bind or a stop moves the revision of the
+    nodes it concerns: the next poll gets it, not the answer kept for the old revision."""
+    monkeypatch.setattr(agent_router, "POLL_SECONDS", 60.0)  # no watcher meanwhile
+    node = register_node("derived")
+    other = register_node("other", gpus=[])  # runs none of the project's pods
+    login = {"name": "hub", "username": "alice", "password": "s3cret-pass"}
+    assert api.post("/v1/registry-auths", json=login).status_code == 201
+    api.post("/v1/pods", json={"name": "p3", "image": "busybox", "gpus": 8,
+                               "registry_auth": "hub"})
+    schedule()
+    first = _poll(api, node)
+    assert [p["registry_username"] for p in first["pods"]] == ["alice"]
+    quiet = _poll(api, other)
+    line = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode()
+    assert api.post("/v1/ssh-keys", json={"public_key": line}).status_code == 201
+    keyed = _poll(api, node, wait=0.05, revision=first["revision"])
+    assert keyed["revision"] != first["revision"]
+    assert line.split()[1] in keyed["pods"][0]["env"]["PUBLIC_KEY"]
+    assert api.delete("/v1/registry-auths/hub").status_code == 204
+    anonymous = _poll(api, node, wait=0.05, revision=keyed["revision"])
+    assert anonymous["revision"] != keyed["revision"]
+    assert anonymous["pods"][0]["registry_username"] is None
+    assert _poll(api, other, wait=0.05, revision=quiet["revision"]) == quiet  # none of its pods
 
 
 def test_a_replaced_node_token_is_refused_by_the_poll_at_once(

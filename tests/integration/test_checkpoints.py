@@ -143,6 +143,25 @@ def _project_id(ctx: ServiceContext) -> str:
             ProjectModel.name == "admin")).scalar_one())
 
 
+def test_a_commit_moves_the_revision_so_the_next_poll_sees_the_new_plan(
+    api: TestClient, schedule: Callable[[], Any], conn: Connection, tmp_path: Path,
+) -> None:
+    """A commit re-plans the pod's interval on its measured cost and moves its restore
+    target: the node's revision moves with it, so the next poll gets the new answer, not
+    the one kept for the old revision (services/assignment_answers)."""
+    assignment = _pod(api, schedule, conn)
+    before = conn.client.assignments()
+    assert next(a for a in before.pods if a.pod_id == assignment.pod_id).restore_checkpoint is None
+    source = tmp_path / "source"
+    _fill(source)
+    committed = PodCheckpoints(conn, assignment, source).upload(marked_at=time.time())
+    after = conn.client.assignments(revision=before.revision, wait=0.05)
+    assert after.revision != before.revision
+    planned = next(a for a in after.pods if a.pod_id == assignment.pod_id)
+    assert planned.restore_checkpoint == committed.id
+    assert planned.checkpoint_interval_seconds is not None
+
+
 def test_an_interrupted_chunk_upload_resumes_where_it_stopped(
     api: TestClient, schedule: Callable[[], Any], conn: Connection, tmp_path: Path,
 ) -> None:

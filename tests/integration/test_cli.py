@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from gpucloud.cli.main import main
 from gpucloud.controllers.loops import SchedulingController
 from gpucloud.core.settings import Settings
+from gpucloud.services import wakeups
 from gpucloud.services.context import ServiceContext
 from tests.conftest import ADMIN_KEY
 from tests.fixtures.postgres import free_port
@@ -92,6 +94,52 @@ def test_pod_lifecycle_through_the_cli(server: str, cli: Cli, ctx: ServiceContex
     assert code == 0 and "deleted" in out
     code, _, err = cli("pod", "get", "hello")
     assert code == 1 and err.strip() == "error: pod 'hello' not found"
+
+
+def test_pod_logs_follow_prints_each_piece_once_it_is_stored(
+        server: str, cli: Cli, ctx: ServiceContext) -> None:
+    """``logs -f`` follows with waiting reads (no polling): each chunk the agent stores is
+    printed, and the pod's end ends the follow."""
+    token = cli("node", "join-token")[1].strip()
+    node = httpx.post(f"{server}/v1/agent/register", json={
+        "join_token": token, "name": "gpu-1", "cpu_cores": 64, "memory_bytes": 1 << 36,
+        "gpus": h100_gpus(1)}).json()
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    pod = httpx.post(f"{server}/v1/pods", headers=admin, json={
+        "name": "talker", "image": "busybox", "gpus": 1}).json()
+    SchedulingController(ctx).tick()
+    offset = 0
+
+    def agent(what: str, **body: Any) -> dict[str, Any]:
+        response = httpx.post(f"{server}/v1/agent/pods/{pod['id']}/{what}",
+                              headers={"Authorization": f"Bearer {node['node_token']}"},
+                              json={"fencing_token": node["fencing_token"], **body})
+        response.raise_for_status()
+        answer: dict[str, Any] = response.json()
+        return answer
+
+    def ship(data: str) -> None:
+        nonlocal offset
+        offset = agent("logs", offset=offset, data=data)["next_offset"]
+
+    def when_followed() -> None:  # once the follower waits: the next chunk, then the end
+        while wakeups.LOGS.listeners(pod["id"]) == 0:
+            threading.Event().wait(0.005)
+
+    agent("status", phase="Running")
+    ship("one\n")
+
+    def the_pod_goes_on() -> None:
+        when_followed()
+        ship("two\n")
+        when_followed()
+        agent("status", phase="Succeeded", exit_code=0)
+
+    talker = threading.Thread(target=the_pod_goes_on, daemon=True)
+    talker.start()
+    code, out, err = cli("pod", "logs", "talker", "-f")
+    talker.join(timeout=30)
+    assert (code, out, err) == (0, "one\ntwo\n", "")
 
 
 def test_why_explains_a_pending_pod(server: str, cli: Cli, ctx: ServiceContext) -> None:

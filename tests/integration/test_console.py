@@ -322,3 +322,28 @@ def test_the_pods_rows_refresh_and_the_pod_shows_when_it_started(
     assert 'data-pod="web"' not in stranger.get("/console/pods/_rows").text
     anonymous.cookies.clear()
     assert anonymous.get("/console/pods/_rows", follow_redirects=False).status_code == 303
+
+
+def test_a_restarting_pod_can_still_be_stopped(
+    anonymous: TestClient, api: TestClient, team: Callable[[str], str],
+    register_node: Callable[..., dict[str, Any]], schedule: Callable[[], Any],
+) -> None:
+    """While its agent stops it for a restart, the pod page offers Stop (not Start), and
+    Stop turns the restart into a stop."""
+    reg = register_node("gpu-1")
+    key = team("alpha")
+    owner = ConsoleUser(anonymous, key)
+    pod_url = owner.post("/console/pods", {"name": "web", "image": "busybox"}).headers["location"]
+    pod_id = pod_url.rsplit("/", 1)[1]
+    schedule()
+    running = api.post(f"/v1/agent/pods/{pod_id}/status", headers=agent_headers(reg),
+                       json={"fencing_token": reg["fencing_token"], "phase": "Running"})
+    assert running.status_code == 200, running.text
+    restart = api.post(f"/runpod/v1/pods/{pod_id}/restart",
+                       headers={"Authorization": f"Bearer {key}"})
+    assert restart.status_code == 200, restart.text
+    page = owner.get(pod_url).text
+    assert f'action="{pod_url}/stop"' in page and f'action="{pod_url}/start"' not in page
+    assert owner.post(pod_url + "/stop", {}).status_code == 303
+    pod = api.get(f"/v1/pods/{pod_id}", headers={"Authorization": f"Bearer {key}"}).json()
+    assert pod["desired_state"] == "stopped"

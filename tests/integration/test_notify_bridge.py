@@ -44,6 +44,9 @@ def test_serverless_and_assignment_wakeups_cross_replicas(bridge: notify.NotifyB
     assert asyncio.run(_woken(serverless_queue.WAKEUPS, queue_key, postgres_url, payload))
     assert asyncio.run(_woken(serverless_queue.WAKEUPS, request_key, postgres_url, payload))
     assert asyncio.run(_woken(wakeups.ASSIGNMENTS, node, postgres_url, payload))
+    # a pod's log grew on another replica: its waiting reads here re-read it now
+    assert asyncio.run(_woken(wakeups.LOGS, "pod-1", postgres_url, "l:pod-1"))
+    assert not asyncio.run(_woken_once(wakeups.LOGS, node, postgres_url, f"a:{node}"))
     # a serverless key is not an assignment key and the other way round
     assert not asyncio.run(_woken_once(wakeups.ASSIGNMENTS, queue_key, postgres_url,
                                        f"s:{queue_key}"))
@@ -53,6 +56,15 @@ async def _woken_once(hub: Wakeups, key: str, postgres_url: str, payload: str) -
     with hub.listen(key) as event:
         await asyncio.to_thread(_another_replica_publishes, postgres_url, payload)
         return await wakeups.wait(event, 0.5)
+
+
+def test_a_stored_log_chunk_is_published_for_the_other_replicas(
+        bridge: notify.NotifyBridge, postgres_url: str) -> None:
+    with psycopg.connect(notify._dsn(postgres_url), autocommit=True) as listener:
+        listener.execute(f"LISTEN {notify.CHANNEL}")
+        wakeups.LOGS.notify("pod-2")
+        payloads = [n.payload for n in listener.notifies(timeout=5.0, stop_after=1)]
+    assert payloads == ["l:pod-2"]
 
 
 def test_a_serverless_wakeup_is_published_for_the_other_replicas(

@@ -66,6 +66,60 @@ def test_a_mig_preemptor_stops_only_the_slices_it_needs(
     assert sum(p["phase"] == "Running" for p in _pods(api).values()) == 4
 
 
+def test_a_mig_preemptors_reserved_slot_is_taken_for_other_mig_pods(
+        api: TestClient, register_node: Register, schedule: Tick, clock: ManualClock) -> None:
+    """While a MIG preemptor waits for its victims, the slot it reserved counts as taken
+    (as a reservation's GPU share does): a MIG pod that arrives meanwhile is not placed
+    there, even in the pass where the victims are gone and the preemptor binds."""
+    gpus = h100_gpus(1)
+    gpus[0].update(mig_capable=True, mig_mode=True)
+    node = register_node("mig", gpus=gpus)
+    for i in range(7):
+        _create(api, f"s{i}", "spot", mig="1g.10gb")
+    schedule()
+    _agent_step(api, node)
+    _create(api, "big", "on-demand", mig="3g.40gb")
+    schedule()  # slots 4-7 reserved for it, their three pods asked to stop
+    _agent_step(api, node)
+    _create(api, "late", "spot", mig="1g.10gb")  # 4, 5 and 6 look free but for the reservation
+    clock.advance(1)
+    schedule()
+    pods = _pods(api)
+    assert pods["big"]["phase"] == "Scheduled" and pods["big"]["mig_slot"] == 4, pods["big"]
+    assert pods["late"]["phase"] == "Pending", pods["late"]
+    slots = sorted(p["mig_slot"] for p in pods.values()
+                   if p["phase"] in ("Scheduled", "Running"))
+    assert slots == [0, 1, 2, 3, 4], slots
+
+
+def test_a_mig_preemptor_binds_only_once_its_victims_have_left_the_slot(
+        api: TestClient, register_node: Register, schedule: Tick, clock: ManualClock) -> None:
+    """Four 1g pods and a 3g preemptor: their compute shares add up to less than a GPU
+    (4 x 142 + 428 milli), so the share alone would let it bind while its victims still
+    hold their slices of its slot; it waits for their stop instead."""
+    gpus = h100_gpus(1)
+    gpus[0].update(mig_capable=True, mig_mode=True)
+    node = register_node("mig", gpus=gpus)
+    for i in range(4):
+        _create(api, f"s{i}", "spot", mig="1g.10gb")
+    schedule()
+    _agent_step(api, node)
+    _create(api, "big", "on-demand", mig="3g.40gb")
+    schedule()
+    victims = {n: p["mig_slot"] for n, p in _pods(api).items()
+               if p["desired_state"] == "stopped"}
+    slot = _pods(api)["big"]["mig_slot"]
+    assert victims and all(slot <= s < slot + 4 for s in victims.values()), (slot, victims)
+    clock.advance(1)
+    schedule()  # the victims have not stopped yet
+    assert _pods(api)["big"]["phase"] == "Pending"
+    _agent_step(api, node)
+    clock.advance(1)
+    schedule()
+    big = _pods(api)["big"]
+    assert big["phase"] == "Scheduled" and big["mig_slot"] == slot, big
+
+
 def test_a_memory_limited_preemptor_frees_enough_device_memory(
         api: TestClient, register_node: Register, schedule: Tick, clock: ManualClock) -> None:
     node = register_node("share", gpus=h100_gpus(1))

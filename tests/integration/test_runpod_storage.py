@@ -6,12 +6,9 @@ catalog is one computation behind GraphQL ``gpuTypes`` and REST ``/catalog/gpus`
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 from runpod.api.mutations.container_register_auth import (
     delete_container_registry_auth,
@@ -19,6 +16,8 @@ from runpod.api.mutations.container_register_auth import (
 )
 
 from gpucloud.compat.runpod import actions
+from gpucloud.core.clock import ManualClock
+from gpucloud.core.settings import Settings
 from tests.integration.conftest import agent_headers
 from tests.integration.test_runpod_graphql import data, gql
 
@@ -139,48 +138,69 @@ def _running_pod(api: TestClient, reg: dict[str, Any], schedule: Callable[[], An
     return str(pod["podFindAndDeployOnDemand"]["id"])
 
 
-def test_pod_restart_stops_then_starts_in_place(
+def _reasons(api: TestClient, pod_id: str) -> list[str]:
+    return [e["reason"] for e in api.get(f"/v1/pods/{pod_id}/events").json()]
+
+
+def test_pod_restart_answers_at_once_and_the_agents_stop_report_starts_it_again(
         api: TestClient, register_node: Callable[..., dict[str, Any]],
         schedule: Callable[[], Any]) -> None:
+    """No request waits for the agent: the restart is a mark on the pod, and the agent's
+    report that the pod stopped is what starts it again, in place."""
     reg = register_node("gpu-1")
     pod_id = _running_pod(api, reg, schedule)
-    answer: dict[str, Any] = {}
-    restart = threading.Thread(target=lambda: answer.update(gql(
-        api, f'mutation {{ podRestart(input: {{podId: "{pod_id}"}}) {{ desiredStatus '
-        "volumeInGb } }")))
-    restart.start()
-    deadline = time.monotonic() + 10  # the agent's part: see the stop, report it
-    while (pending := _assignment(api, reg)) is None or pending["desired_state"] != "stopped":
-        assert time.monotonic() < deadline, "the restart never asked the agent to stop"
-        time.sleep(0.02)
-    assert restart.is_alive()  # it waits for the agent
-    _report(api, reg, pending, "Stopped")
-    restart.join(10)
-    assert answer["data"]["podRestart"] == {"desiredStatus": "CREATED", "volumeInGb": 5}
+    restart = (f'mutation {{ podRestart(input: {{podId: "{pod_id}"}}) '
+               "{ desiredStatus volumeInGb } }")
+    assert data(api, restart)["podRestart"] == {"desiredStatus": "RESTARTING", "volumeInGb": 5}
+    again = api.post(f"{V1}/pods/{pod_id}/restart")  # asked again while it stops: once
+    assert again.status_code == 200 and again.json()["desiredStatus"] == "RESTARTING"
+    assert _reasons(api, pod_id).count("RestartRequested") == 1
     native = api.get(f"/v1/pods/{pod_id}").json()
-    assert native["phase"] == "Pending" and native["volume_size"] == 5 * 1024**3
+    assert (native["phase"], native["desired_state"]) == ("Running", "restarting")
+    pending = _assignment(api, reg)  # to the agent, a stop with the restart's grace
+    assert pending is not None and pending["desired_state"] == "stopped"
+    assert pending["stop_grace_seconds"] == actions.RESTART_GRACE_SECONDS
+    response = api.post(f"/v1/agent/pods/{pod_id}/status", headers=agent_headers(reg),
+                        json={"fencing_token": reg["fencing_token"], "phase": "Stopped",
+                              "attempt": pending["attempt"]})
+    assert response.json() == {"phase": "Pending"}
+    native = api.get(f"/v1/pods/{pod_id}").json()
+    assert (native["phase"], native["desired_state"]) == ("Pending", "running")
+    assert native["volume_size"] == 5 * 1024**3 and native["volume_node"] == "gpu-1"
     schedule()
-    again = _assignment(api, reg)  # the volume disk's node, a new attempt
-    assert again is not None and again["attempt"] > pending["attempt"]
-    reasons = [e["reason"] for e in api.get(f"/v1/pods/{pod_id}/events").json()]
-    assert "StopRequested" in reasons and reasons.index("StartedByUser") > reasons.index(
-        "StopRequested")
+    placed = _assignment(api, reg)  # the volume disk's node, a new attempt
+    assert placed is not None and placed["attempt"] > pending["attempt"]
+    assert placed["desired_state"] == "running"
+    reasons = _reasons(api, pod_id)
+    assert reasons.index("RestartedByUser") > reasons.index("RestartRequested")
 
 
-def test_restart_that_does_not_stop_in_time_is_a_409_and_v2_restarts_too(
+def test_a_stop_cancels_a_restart_and_a_lost_node_completes_one(
         api: TestClient, register_node: Callable[..., dict[str, Any]],
-        schedule: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        schedule: Callable[[], Any], expire_leases: Callable[[], list[str]],
+        clock: ManualClock, settings: Settings) -> None:
     reg = register_node("gpu-1")
     pod_id = _running_pod(api, reg, schedule)
-    monkeypatch.setattr(actions, "RESTART_GRACE_SECONDS", 0.0)
-    monkeypatch.setattr(actions, "RESTART_SLACK_SECONDS", 0.2)
-    late = api.post(f"/runpod/v2/pods/{pod_id}/restart")  # no agent answers
-    assert late.status_code == 409 and "has not stopped" in late.json()["detail"]
+    restarting = api.post(f"/runpod/v2/pods/{pod_id}/restart")
+    assert restarting.status_code == 200 and restarting.json()["status"] == "RUNNING"
+    assert api.post(f"{V1}/pods/{pod_id}/stop").json()["desiredStatus"] == "EXITED"
     assignment = _assignment(api, reg)
-    assert assignment is not None and assignment["desired_state"] == "stopped"
+    assert assignment is not None
     _report(api, reg, assignment, "Stopped")
+    assert api.get(f"/v1/pods/{pod_id}").json()["phase"] == "Stopped"  # the stop won
     done = api.post(f"/runpod/v2/pods/{pod_id}/action", json={"action": "restart"})
-    assert done.status_code == 200 and done.json()["status"] == "PROVISIONING"
+    assert done.status_code == 200 and done.json()["status"] == "PROVISIONING"  # ended: starts
+    schedule()
+    assignment = _assignment(api, reg)
+    assert assignment is not None
+    _report(api, reg, assignment, "Running")
+    assert data(api, f'mutation {{ podRestart(input: {{podId: "{pod_id}"}}) '
+                "{ desiredStatus } }")["podRestart"] == {"desiredStatus": "RESTARTING"}
+    clock.advance(settings.lease_ttl_seconds + 1)  # its agent never reports again
+    assert expire_leases() == ["gpu-1"]
+    native = api.get(f"/v1/pods/{pod_id}").json()
+    assert (native["phase"], native["desired_state"]) == ("Pending", "running")
+    assert _reasons(api, pod_id)[-2:] == ["NodeLost", "RestartedByUser"]
 
 
 def test_bid_resume_records_the_new_bid(api: TestClient,

@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
+from sqlalchemy.exc import OperationalError
 
 from gpucloud.db.models import NodeModel
-from gpucloud.services import scheduling
+from gpucloud.services import loadaware, scheduling
 from gpucloud.services.context import ServiceContext
 
 
@@ -81,3 +83,25 @@ def test_passes_with_the_cache_never_place_two_pods_on_one_gpu(
     pods = api.get("/v1/pods").json()
     placed = [(p["node"], uuid) for p in pods if p["node"] for uuid in p["gpu_uuids"]]
     assert len(placed) == 15 and len(set(placed)) == 15
+
+
+def test_a_read_that_fails_after_loading_rows_leaves_the_cache_usable(
+    app_ctx: ServiceContext, register_node: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The database went away mid-snapshot (CI's PostgreSQL restart): the read rolled
+    back after the cache had taken the rows it loaded. Later passes must still work,
+    where they once raised ``DetachedInstanceError`` on every pass for good."""
+    for name in ("a", "b"):
+        register_node(name)
+    cache = scheduling.SnapshotCache()
+    real = loadaware.node_loads
+
+    def gone(*args: Any) -> Any:
+        raise OperationalError("SELECT", {}, Exception("the database went away"))
+
+    monkeypatch.setattr(loadaware, "node_loads", gone)
+    with pytest.raises(OperationalError):
+        scheduling.snapshot(app_ctx, cache)
+    monkeypatch.setattr(loadaware, "node_loads", real)
+    assert [n.name for n in _same_as_full(app_ctx, cache).nodes] == ["a", "b"]

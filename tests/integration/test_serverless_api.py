@@ -24,13 +24,13 @@ from fastapi.testclient import TestClient
 from runpod.api.mutations import endpoints as endpoint_mutations
 from runpod.api.mutations import templates as template_mutations
 from runpod.api.queries import endpoints as endpoint_queries
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from gpucloud.core.clock import SystemClock
 from gpucloud.core.settings import Settings
 from gpucloud.db.models import PodModel
 from gpucloud.db.session import Database
-from gpucloud.services import endpoints, serverless_queue
+from gpucloud.services import autoscale, endpoints, serverless_queue
 from gpucloud.services.context import ServiceContext
 from tests.conftest import ADMIN_KEY
 from tests.fixtures.server import live_server
@@ -230,6 +230,41 @@ def test_auth_and_unknowns(api: TestClient, app_ctx: ServiceContext) -> None:
     assert api.get(by_id, headers=worker.headers).status_code == 204  # stopping: no job
     api.delete("/v1/endpoints/echo")
     assert api.get(take, headers=worker.headers).status_code in (401, 404)
+
+
+def test_a_deleted_workers_revoked_key_polls_as_that_worker_and_locks_out_no_one(
+        api: TestClient, app_ctx: ServiceContext) -> None:
+    """The autoscaler deletes an ended worker and revokes its key while its container may
+    still poll (its agent has not stopped it yet): those polls are answered as the
+    deleted worker's (204, nothing to do), not refused. Refused, the SDK retries each at
+    once and every refusal counts against the address it shares with its agent and the
+    other workers of a host-network node: the agent's own calls were then refused (429)."""
+    endpoint = create(api, max_workers=2)
+    job = api.post("/v2/echo/run", json={"input": 1}, headers=CLIENT).json()
+    assert autoscale.autoscale(app_ctx) == ["+echo-w-1"]
+    with app_ctx.db.read() as session:
+        [(pod_id, env)] = session.execute(select(PodModel.id, PodModel.env).where(
+            PodModel.endpoint_id == endpoint["id"])).all()
+    headers = {"Authorization": env["RUNPOD_AI_API_KEY"]}
+    worker = f"/v2/_worker/{endpoint['id']}"
+    api.post(f"/v2/echo/cancel/{job['id']}", headers=CLIENT).raise_for_status()
+    with app_ctx.db.transaction() as session:
+        session.execute(update(PodModel).where(PodModel.id == pod_id).values(phase="Failed"))
+    assert autoscale.autoscale(app_ctx) == ["-echo-w-1"]  # ended: deleted, its key revoked
+    for _ in range(app_ctx.settings.auth_failure_burst + 5):
+        assert api.get(f"{worker}/job-take/{pod_id}", headers=headers).status_code == 204
+        assert api.get(f"{worker}/ping/{pod_id}", headers=headers).json() == {"renewed": 0}
+        assert api.get(f"{worker}/job-stop/{pod_id}", headers=headers).status_code == 204
+    assert api.get("/v1/pods").status_code == 200  # the address is not locked out
+    # the revoked key is still no key of any other pod: a live one, another deleted one
+    api.post("/v2/echo/run", json={"input": 2}, headers=CLIENT).raise_for_status()
+    [live] = autoscale.autoscale(app_ctx)
+    assert live == "+echo-w-1"
+    with app_ctx.db.read() as session:
+        other = session.scalar(select(PodModel.id).where(
+            PodModel.endpoint_id == endpoint["id"], PodModel.deleted_at.is_(None)))
+    for ref in (other, "echo-w-1"):
+        assert api.get(f"{worker}/job-take/{ref}", headers=headers).status_code == 401
 
 
 HANDLER = '''

@@ -107,7 +107,9 @@ def _start_replica(database_url: str, home: Path, env_extra: dict[str, str]) -> 
 
 
 @contextmanager
-def replica_cluster(count: int, tmp: Path, env: dict[str, str]) -> Iterator[Cluster]:
+def replica_cluster(count: int, tmp: Path, env: dict[str, str],
+                    each: list[dict[str, str]] | None = None) -> Iterator[Cluster]:
+    """``count`` replicas, each with ``env`` and its own entry of ``each``, if given."""
     with postgres_server() as url:
         port = url.rsplit(":", 1)[1].split("/")[0]
         rows = psycopg.connect(url.replace("+psycopg", ""), autocommit=True).execute(
@@ -119,7 +121,8 @@ def replica_cluster(count: int, tmp: Path, env: dict[str, str]) -> Iterator[Clus
         for index in range(count):
             home = tmp / f"replica-{index}"
             home.mkdir()
-            cluster.replicas.append(_start_replica(url, home, env))
+            extra = each[index] if each else {}
+            cluster.replicas.append(_start_replica(url, home, env | extra))
         try:
             for replica in cluster.replicas:
                 wait_for(partial(_healthy, replica), 180, f"replica on {replica.port}")

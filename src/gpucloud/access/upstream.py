@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import asyncssh
 
 from gpucloud.access import keys
 from gpucloud.core.errors import Conflict
+from gpucloud.core.per_loop import PerLoop
 from gpucloud.services.access import PodTarget, running_target
 from gpucloud.services.context import ServiceContext
 
@@ -116,17 +116,12 @@ def _describe(error: BaseException) -> str:
     return text.splitlines()[0]
 
 
-_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, UpstreamPool] = (
-    weakref.WeakKeyDictionary())
+_pools = PerLoop(UpstreamPool)
 
 
 def pool() -> UpstreamPool:
     """The pool of the running event loop."""
-    loop = asyncio.get_running_loop()
-    found = _pools.get(loop)
-    if found is None:
-        found = _pools[loop] = UpstreamPool()
-    return found
+    return _pools.get()
 
 
 async def with_connection(ctx: ServiceContext, target: PodTarget,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from gpucloud.agent.volumes import VolumeStore, default_volume_mode
 from gpucloud.core.capabilities import NodeCapabilities
 from gpucloud.core.errors import GpucloudError, Unauthorized
 from gpucloud.core.models import AssignmentOut, NodeRegisterResponse
+from gpucloud.core.trace import mark
 from gpucloud.gpu.dmem import dmem_regions, dmem_unified
 from gpucloud.gpu.mig import mig_manager, with_mig_layout
 from gpucloud.gpu.mps import GpuSharing, SharingMode, node_sharing
@@ -70,6 +72,8 @@ def registry_logins(state_dir: Path) -> dict[str, Credentials]:
 
 
 SIGNAL_CHECK_SECONDS = 0.5
+#: The GIL switch interval of an agent process (Python's default: 5 ms); see ``run``.
+GIL_SWITCH_SECONDS = 0.001
 
 
 class Agent:
@@ -172,9 +176,15 @@ class Agent:
     def run(self) -> None:
         """Register, then serve until ``stop``; raises AgentFailure if it cannot go on."""
         threads: list[threading.Thread] = []
+        # A pod's worker gives up the GIL at every syscall (mkdir, mount, write, a child's
+        # pipe) and waits for it again while the poll, lease, usage and report threads run
+        # Python: up to the switch interval per wait, dozens of waits per start. As the
+        # server does (api/app.py), a shorter interval keeps them from adding up.
+        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         try:
             # Before registering: the registration carries the access server's endpoint.
             self.registration.access_endpoint = self.access.start()
+            self.driver.prestart()  # the first pod need not wait for its interpreter
             if self.config.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(self.config.metrics_host,
                                                        self.config.metrics_port)
@@ -325,6 +335,7 @@ class Agent:
             backoff.reset()
             if self.stop_event.is_set():
                 return
+            mark("agent.poll.answer", revision=snapshot.revision, pods=len(snapshot.pods))
             self.revision = snapshot.revision
             self.exports.update(snapshot.volume_exports)
             self.reconcile(snapshot.pods)
@@ -363,6 +374,7 @@ class Agent:
         volumes.collect(volume_pods, busy)
 
     def _spawn(self, cid: str, assignment: AssignmentOut | None) -> None:
+        mark("agent.spawn", cid=cid)
         worker = PodWorker(self.runtime, cid, assignment)
         self.workers[cid] = worker
         worker.start()

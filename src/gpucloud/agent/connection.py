@@ -5,8 +5,11 @@ changes only when the server makes a new grant (registration, a lapsed lease, or
 explicit re-acquire after a 409), and the server refuses writes with an older one, so an
 agent that was cut off for longer than its lease cannot overwrite what happened since.
 
-A server that cannot be reached, or answers 5xx, is retried with back-off until the agent
-stops: a restarting server costs the agent nothing but time.
+A server that cannot be reached, or answers 5xx or 429, is retried with back-off until the
+agent stops: a restarting server costs the agent nothing but time. A refusal that says when
+to come back (503 or 429 with ``Retry-After``: registrations beyond the server's capacity,
+the database unavailable) is retried no sooner than that (agent/backoff.py: bounded, and
+jittered upwards, so a fleet refused together does not come back together).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from gpucloud.agent.backoff import Backoff
+from gpucloud.agent.backoff import Backoff, stop_wait
 from gpucloud.agent.identity import Identity, IdentityFile
 from gpucloud.client.sdk import AgentClient, ApiError
 from gpucloud.core.errors import (
@@ -45,8 +48,14 @@ class AgentFailure(GpucloudError):
 
 
 def is_transient(error: GpucloudError) -> bool:
-    """Whether retrying later may succeed: no answer, or a server-side error."""
-    return isinstance(error, ApiError) and (error.status == 0 or error.status >= 500)
+    """Whether retrying later may succeed: no answer, a server-side error, or too many
+    requests (429: the server's limits, which say when to come back)."""
+    return isinstance(error, ApiError) and (error.status in (0, 429) or error.status >= 500)
+
+
+def retry_after(error: GpucloudError) -> float | None:
+    """The server's ``Retry-After`` (seconds) on a refusal, None when it sent none."""
+    return error.retry_after if isinstance(error, ApiError) else None
 
 
 class Connection:
@@ -54,7 +63,8 @@ class Connection:
 
     def __init__(self, server: str, registration: NodeRegisterRequest, identity: IdentityFile,
                  stop: threading.Event, transport: httpx.BaseTransport | None = None,
-                 on_registered: Callable[[NodeRegisterResponse], None] | None = None) -> None:
+                 on_registered: Callable[[NodeRegisterResponse], None] | None = None,
+                 sleep: Callable[[threading.Event, float], bool] = stop_wait) -> None:
         self.server = server.rstrip("/")
         self._registration = registration
         #: Called with every registration response (the access server takes the gateway
@@ -62,6 +72,8 @@ class Connection:
         self._on_registered = on_registered
         self._identity = identity
         self._stop = stop
+        #: How the retry loops wait (``Backoff``'s ``sleep``; tests record the delays).
+        self._sleep = sleep
         self._bootstrap = AgentClient(self.server, None, transport=transport)
         self._client: AgentClient | None = None
         self._token = 0
@@ -118,8 +130,9 @@ class Connection:
     # -- registration --------------------------------------------------------------------
 
     def connect(self) -> None:
-        """Register, or resume with the saved node token; retries until it works or stop."""
-        backoff = Backoff()
+        """Register, or resume with the saved node token; retries until it works or stop
+        (no sooner than a refusal's ``Retry-After``)."""
+        backoff = Backoff(sleep=self._sleep)
         while True:
             try:
                 self._connect_once()
@@ -128,7 +141,8 @@ class Connection:
                 if not is_transient(error):
                     raise
                 log.warning("cannot register yet: %s", error.message)
-            if backoff.wait(self._stop):
+                wait_at_least = retry_after(error)
+            if backoff.wait(self._stop, wait_at_least):
                 raise AgentStopped
 
     def _connect_once(self) -> None:
@@ -188,13 +202,15 @@ class Connection:
     def write(self, what: str, call: Callable[[AgentClient, int], T]) -> T | None:
         """``call(client, fencing_token)`` until it lands; None when refused for good.
 
-        Transient failures are retried with back-off (AgentStopped ends that); a stale
-        token is refreshed and the write retried a few times; a conflict (the pod moved
-        on, or is not ours any more) or invalid input is logged and dropped.
+        Transient failures are retried with back-off, no sooner than a refusal's
+        ``Retry-After`` (AgentStopped ends that); a stale token is refreshed and the write
+        retried a few times; a conflict (the pod moved on, or is not ours any more) or
+        invalid input is logged and dropped.
         """
-        backoff, stale = Backoff(), 0
+        backoff, stale = Backoff(sleep=self._sleep), 0
         while True:
             token = self.fencing_token
+            wait_at_least: float | None = None
             try:
                 return call(self.client, token)
             except StaleFencingToken as error:
@@ -215,7 +231,8 @@ class Connection:
                     log.warning("%s failed: %s", what, error.message)
                     return None
                 log.debug("%s: %s; retrying", what, error.message)
-            if backoff.wait(self._stop):
+                wait_at_least = error.retry_after
+            if backoff.wait(self._stop, wait_at_least):
                 raise AgentStopped
 
     def _refresh_after_stale(self, used: int) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from gpucloud.agent.connection import Connection
 from gpucloud.core.models import AgentLogChunkRequest
+from gpucloud.core.trace import mark
 from gpucloud.runtime.logs import read_from
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,10 @@ class LogShipper:
             used = len(chunk.data) if final else complete_utf8_prefix(chunk.data)
             if used == 0:
                 return True
+            mark("agent.log.read", bytes=used, at=self.offsets.file)
             if not self._send(chunk.data[:used].decode(errors="replace"), used):
                 return False
+            mark("agent.log.shipped", bytes=used)
 
     def forget(self) -> None:
         self.record.unlink(missing_ok=True)

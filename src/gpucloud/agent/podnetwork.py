@@ -11,12 +11,20 @@ access server relays ``ssh -L`` to ``ip``)::
 Node modes: ``bridge`` (the default) gives every pod its own namespace, except a job's
 members (``assignment.host_network``: they rendezvous over their nodes' addresses);
 ``host`` gives every pod the host's network, as before pods had namespaces.
+
+Spare namespaces: in bridge mode the agent keeps ``spares`` namespaces made ahead
+(runtime/network ``make_spare``); a pod's start claims one (``prepare``) instead of
+running ``ip`` twice. They are made on a thread of their own once no start has claimed one
+for ``spare_idle`` seconds (a start under way has the CPU to itself), never when the
+subnet has fewer free addresses than a margin, and removed when the agent stops. With none
+left (a burst of starts) a start makes its namespace on a thread, as before.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,11 +33,18 @@ from pathlib import Path
 from gpucloud.agent.ports import DEFAULT_PORT_RANGE, PortForwarder, listen_hosts
 from gpucloud.core.access import PodNetwork, PortMapping
 from gpucloud.core.models import AssignmentOut
+from gpucloud.core.trace import mark
 from gpucloud.runtime.layout import read_json, write_json_atomic
-from gpucloud.runtime.network import BridgeNetwork, PodAddress
+from gpucloud.runtime.network import BridgeNetwork, NetworkError, PodAddress
 
 log = logging.getLogger(__name__)
 NETWORK_MODES = ("bridge", "host")
+#: Spare namespaces kept made ahead, and how long no start has claimed one before the
+#: next is made (a start's own work, ~0.1–0.2 s, is then over).
+SPARE_NAMESPACES = 2
+SPARE_IDLE_SECONDS = 0.25
+#: Spares are made only while the subnet has more free addresses than this (a /29 none).
+SPARE_ADDRESS_MARGIN = 8
 
 
 @dataclass(frozen=True)
@@ -99,7 +114,8 @@ class NodeNetwork:
     """Every pod network of one agent: the bridge, the public ports, ``network.json``."""
 
     def __init__(self, state_dir: Path, *, mode: str = "bridge", pod_cidr: str | None = None,
-                 public_ip: str, forwarder: PortForwarder) -> None:
+                 public_ip: str, forwarder: PortForwarder, spares: int = SPARE_NAMESPACES,
+                 spare_idle: float = SPARE_IDLE_SECONDS) -> None:
         self.containers_dir = state_dir.resolve() / "containers"
         self.mode = mode
         self.public_ip = public_ip
@@ -108,15 +124,50 @@ class NodeNetwork:
         #: Namespaces being made ahead (``prepare``), by container id.
         self._early: dict[str, Future[PodAddress]] = {}
         self._early_lock = threading.Lock()
+        self.spares = spares
+        self.spare_idle = spare_idle
+        #: Set by each claim (and at start): the spare maker looks whether to make more.
+        self._spares_wanted = threading.Event()
+        self._closed = threading.Event()
+        self._last_claim = 0.0
+        self._spare_maker: threading.Thread | None = None
 
     def start(self) -> None:
         """Bring the bridge up; reclaim what containers that are gone left behind (the
-        containers still in the state directory keep their namespaces and addresses)."""
+        containers still in the state directory keep their namespaces and addresses);
+        start making spare namespaces."""
         if self.bridge is None:
             return
         present = ([p.name for p in self.containers_dir.iterdir() if p.is_dir()]
                    if self.containers_dir.is_dir() else [])
         self.bridge.start(present)  # logs it when iptables does not work (no egress NAT)
+        if self.spares > 0:
+            self._spare_maker = threading.Thread(target=self._make_spares, daemon=True,
+                                                 name="spare-netns")
+            self._spares_wanted.set()
+            self._spare_maker.start()
+
+    def _make_spares(self) -> None:
+        """Keep ``spares`` namespaces made ahead (the spare maker's thread)."""
+        bridge = self.bridge
+        assert bridge is not None
+        while self._spares_wanted.wait() and not self._closed.is_set():
+            self._spares_wanted.clear()
+            while True:  # until no claim for ``spare_idle`` seconds
+                claimed = self._last_claim
+                if self._closed.wait(self.spare_idle):
+                    return
+                if claimed == self._last_claim:
+                    break
+            while (bridge.spare_count < self.spares and not self._closed.is_set()
+                   and bridge.free_addresses() > SPARE_ADDRESS_MARGIN):
+                try:
+                    bridge.make_spare()
+                except (NetworkError, OSError) as error:
+                    log.warning("making a spare network namespace: %s", error)
+                    break  # tried again after the next claim
+                if self._spares_wanted.is_set():
+                    break  # a claim meanwhile: wait for the starts to settle first
 
     @property
     def note(self) -> str | None:
@@ -127,17 +178,26 @@ class NodeNetwork:
         return self.containers_dir / cid / "network.json"
 
     def prepare(self, cid: str, assignment: AssignmentOut) -> None:
-        """Start making the pod's namespace on a thread of its own (two ``ip`` runs, the
-        slowest step of a cached start), while the worker pulls, prepares the rootfs and
-        writes the bundle; ``ready`` waits for it before the container starts."""
+        """The pod's namespace, on a thread of its own while the worker pulls, prepares
+        the rootfs and writes the bundle: a spare's address taken here and the spare
+        turned into the pod's there (see the module), else made there (two ``ip`` runs,
+        the slowest step of a cached start without spares); ``ready`` waits for it
+        before the container starts."""
         if assignment.host_network or self.bridge is None:
             return
         bridge = self.bridge
         future: Future[PodAddress] = Future()
+        spare = bridge.take_spare(cid) if self.spares > 0 else None
+        self._want_spares()
 
         def make() -> None:
             try:
-                future.set_result(bridge.attach(cid))
+                if spare is not None:
+                    future.set_result(bridge.finish_claim(spare, cid))
+                    mark("agent.netns.claimed")
+                else:
+                    future.set_result(bridge.attach(cid))
+                mark("agent.netns.made")
             except BaseException as error:  # noqa: BLE001 - handed to ``ready``
                 future.set_exception(error)
 
@@ -146,6 +206,10 @@ class NodeNetwork:
                 return
             self._early[cid] = future
         threading.Thread(target=make, name=f"netns-{cid[:16]}", daemon=True).start()
+
+    def _want_spares(self) -> None:
+        self._last_claim = time.monotonic()
+        self._spares_wanted.set()
 
     def ready(self, cid: str) -> None:
         """Wait for the namespace ``prepare`` started; raises what making it raised."""
@@ -156,7 +220,8 @@ class NodeNetwork:
 
     def attach(self, cid: str, assignment: AssignmentOut) -> PodNet:
         """Namespace (unless host networking), public ports, ``network.json``. After
-        ``prepare`` only its address is taken here (the namespace is made meanwhile)."""
+        ``prepare`` only its address is taken here (the namespace is made, or a spare
+        turned into it, meanwhile)."""
         host = assignment.host_network or self.bridge is None
         netns = None
         ip = self.public_ip
@@ -204,6 +269,13 @@ class NodeNetwork:
             self.bridge.detach(cid)
 
     def close(self) -> None:
+        """Public ports closed, spares removed (pods and their namespaces stay)."""
+        self._closed.set()
+        self._spares_wanted.set()
+        if self._spare_maker is not None:
+            self._spare_maker.join(timeout=10)
+        if self.bridge is not None:
+            self.bridge.drop_spares()
         self.forwarder.close()
 
     def _ports(self, cid: str, ip: str, host: bool, ports: Collection[str],

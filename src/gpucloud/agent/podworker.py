@@ -40,13 +40,13 @@ from gpucloud.core.models import AgentPodStatusRequest, AssignmentOut, MigDevice
 from gpucloud.core.phases import PodPhase
 from gpucloud.core.quantities import format_memory
 from gpucloud.core.spot import NOTICE_PATH, StopReason
+from gpucloud.core.trace import mark
 from gpucloud.gpu.cdi import CdiError, ContainerEdits
 from gpucloud.gpu.domain import GpuDevice
 from gpucloud.gpu.mig import MigInstance, MigManager
 from gpucloud.gpu.mps import GpuSharing
 from gpucloud.images import ImageError, ImageManager
 from gpucloud.images.auth import Credentials
-from gpucloud.images.lazy.trace import mark
 from gpucloud.images.manifest import ImageConfig as StoredImageConfig
 from gpucloud.runtime.bundle import BindMount, ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import ContainerState, ContainerStatus, RuncDriver
@@ -355,6 +355,7 @@ class PodWorker:
             # the Running report (the server stores one write at a time), which then
             # goes on its own thread while the watch begins.
             self._shipper().ship()
+            mark("agent.shipped.at.start")
             self._advance(PodPhase.RUNNING, "Started", None, background=True)
             self.node.metrics.start_seconds.observe(time.monotonic() - launched)
         return status
@@ -366,6 +367,7 @@ class PodWorker:
         image = self.node.images.pull(assignment.image,
                                       credentials=pull_credentials(assignment))
         self.node.metrics.pull_seconds.observe(time.monotonic() - pulling)
+        mark("agent.image.ready")
         if self._abandoned or self._stop_wanted:
             self._cleanup()
             if not self._abandoned:
@@ -388,10 +390,13 @@ class PodWorker:
         edits = self._mig_edits(assignment, gpus)
         if self._mig is not None:  # CUDA and the NVIDIA stack see the MIG device itself
             spec = replace(spec, gpus=(gpus[0].model_copy(update={"uuid": self._mig.uuid}),))
+        mark("agent.spec.ready")
         driver.build(spec, rootfs, runtime_image_config(image.config), edits)
+        mark("agent.bundle.built")
         checkpoints.install_tool(driver.paths(self.cid).run_dir)
         if self.node.network is not None:
             self.node.network.ready(self.cid)
+        mark("agent.bundle.ready")
         if _transparent(assignment):  # dumpable (stdio on pipes), restored from its dump
             return driver.start(self.cid, pipe_log=True,
                                 restore_from=self._restore_dump(assignment))
@@ -690,8 +695,10 @@ class PodWorker:
             return client.report_status(assignment.pod_id, request)
 
         what = f"{outcome.phase} of pod {assignment.name}"
+        mark("agent.report.send", phase=outcome.phase.value)
         if self.node.conn.write(what, send) is not None:
             self.reported = outcome.phase
+        mark("agent.report.done", phase=outcome.phase.value)
 
     def _lazy_events(self) -> None:
         """The lazy pull's events of this pod (a fallback to a full pull, a chunk digest

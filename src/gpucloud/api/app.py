@@ -60,7 +60,8 @@ def prepare(settings: Settings, clock: Clock | None = None) -> tuple[ServiceCont
 
 def create_app(settings: Settings | None = None, clock: Clock | None = None,
                run_controllers: bool = True) -> FastAPI:
-    """The server app. Tests pass a manual clock and drive the controllers themselves."""
+    """The server app. Tests pass a manual clock and drive the controllers themselves;
+    ``settings.controllers`` False (``gpucloud server --no-controllers``) never runs them."""
     settings = settings or Settings.from_env()
 
     @asynccontextmanager
@@ -81,7 +82,7 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
         bridge = None if ctx.db.is_sqlite else NotifyBridge(settings.database_url, ctx.cache)
         if bridge:
             bridge.start()  # wake-ups and cache clears across replicas (a hint)
-        runner = ControllerRunner(ctx) if run_controllers else None
+        runner = ControllerRunner(ctx) if run_controllers and settings.controllers else None
         app.state.controllers = runner
         if runner:
             runner.start()

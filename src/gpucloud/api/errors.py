@@ -90,6 +90,8 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
         return _error_response(422, "body: could not be parsed as JSON", "body")
     field = "body" if error.status_code == 413 else None
     response = _error_response(error.status_code, str(error.detail), field)
+    if error.headers:  # e.g. a 503's Retry-After
+        response.headers.update(error.headers)
     if error.status_code == 405:
         response.headers["Allow"] = _allowed_methods(request)
     return response

@@ -34,6 +34,7 @@ import anyio.to_thread
 from fastapi import HTTPException
 
 from gpucloud.core.models import LeaseRequest, LeaseResponse
+from gpucloud.core.per_loop import PerLoop
 from gpucloud.db.session import Database
 from gpucloud.services import lease_batch
 from gpucloud.services.context import ServiceContext
@@ -101,19 +102,14 @@ class _LoopState:
     batchers: dict[int, _Batcher] = field(default_factory=dict)
 
 
-_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
-    weakref.WeakKeyDictionary())
+#: One limiter and batcher set per event loop (a limiter belongs to the loop it was made
+#: in; a test app's loop that is gone takes its state with it).
+_STATES = PerLoop(lambda: _LoopState(anyio.CapacityLimiter(LEASE_THREADS),
+                                     anyio.CapacityLimiter(FLUSH_THREADS)))
 
 
 def _state() -> _LoopState:
-    """One limiter and batcher set per event loop (a limiter belongs to the loop it was
-    made in; a test app's loop that is gone takes its state with it)."""
-    loop = asyncio.get_running_loop()
-    found = _LOOPS.get(loop)
-    if found is None:
-        found = _LOOPS[loop] = _LoopState(anyio.CapacityLimiter(LEASE_THREADS),
-                                          anyio.CapacityLimiter(FLUSH_THREADS))
-    return found
+    return _STATES.get()
 
 
 def limiter() -> anyio.CapacityLimiter:

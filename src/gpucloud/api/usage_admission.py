@@ -33,7 +33,7 @@ import os
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +49,7 @@ from gpucloud.api.usage_worker import (
     parse_and_ingest,
     use_process,
 )
+from gpucloud.core.per_loop import PerLoop
 from gpucloud.core.usage import AgentUsageBatchOut, AgentUsageBatchRequest
 from gpucloud.services.context import ServiceContext
 
@@ -165,8 +166,15 @@ class IngestAdmission:
     active: int = 0
     shed: int = 0
     _not_before: float = float("-inf")
-    _turns: dict[int, asyncio.Lock] | None = None
-    _slots: dict[int, asyncio.Semaphore] | None = None
+    #: per event loop: the busy-time turn, the quiet-time slots and the ingest threads
+    _turns: PerLoop[asyncio.Lock] = field(init=False)
+    _slots: PerLoop[asyncio.Semaphore] = field(init=False)
+    threads: PerLoop[anyio.CapacityLimiter] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._turns = PerLoop(asyncio.Lock)
+        self._slots = PerLoop(lambda: asyncio.Semaphore(self.limit))
+        self.threads = PerLoop(lambda: anyio.CapacityLimiter(self.limit))
 
     def busy(self) -> bool:
         return self.clock() - self.activity.last() < self.quiet_seconds
@@ -182,10 +190,7 @@ class IngestAdmission:
     def _slot(self) -> asyncio.Semaphore:
         """The ``limit`` quiet-time threads of this event loop: a batch waiting for one
         looks again whether API calls began meanwhile (then it takes its busy turn)."""
-        if self._slots is None:
-            self._slots = {}
-        return self._slots.setdefault(id(asyncio.get_running_loop()),
-                                      asyncio.Semaphore(self.limit))
+        return self._slots.get()
 
     async def _wait_turn(self) -> None:
         """Until the API calls stop, or they have gone on ``defer_seconds`` and the
@@ -207,10 +212,7 @@ class IngestAdmission:
                 async with self._slot():
                     if not self.busy():  # still quiet once a thread is free
                         return await work()
-            if self._turns is None:
-                self._turns = {}
-            turns = self._turns.setdefault(id(asyncio.get_running_loop()), asyncio.Lock())
-            async with turns:  # busy: one batch at a time, deferred, then paced
+            async with self._turns.get():  # busy: one batch at a time, deferred, then paced
                 await self._wait_turn()
                 started = self.clock()
                 try:
@@ -279,11 +281,11 @@ async def ingest(request: Request, ctx: ServiceContext, node_id: str
         body = await request.body()
         if worker is None:
             return await anyio.to_thread.run_sync(parse_and_ingest, ctx, node_id, body,
-                                                  limiter=_limiter(admission))
+                                                  limiter=admission.threads.get())
         try:
             return await anyio.to_thread.run_sync(worker.ingest, node_id, body,
                                                   ctx.clock.now(),
-                                                  limiter=_limiter(admission))
+                                                  limiter=admission.threads.get())
         except IngestUnavailable:
             log.warning("usage ingest worker unavailable; batch shed (503)")
             return None
@@ -304,7 +306,8 @@ def _worker(app: Any, ctx: ServiceContext, admission: IngestAdmission) -> Ingest
         url = ctx.settings.database_url
         app.state.usage_worker = (
             IngestWorker(url, slots=admission.limit, activity=ctx.settings.home / "run"
-                         / "api-activity", quiet_seconds=admission.quiet_seconds)
+                         / "api-activity", quiet_seconds=admission.quiet_seconds,
+                         defer_seconds=admission.defer_seconds)
             if use_process(url) else None)
     found: IngestWorker | None = app.state.usage_worker
     return found
@@ -315,15 +318,3 @@ def close(app: Any) -> None:
     worker: IngestWorker | None = getattr(app.state, "usage_worker", None)
     if worker is not None:
         worker.close()
-
-
-_LIMITERS: dict[int, anyio.CapacityLimiter] = {}
-
-
-def _limiter(admission: IngestAdmission) -> anyio.CapacityLimiter:
-    """The ingest threads: one limiter per event loop (a limiter belongs to its loop)."""
-    loop = id(asyncio.get_running_loop())
-    limiter = _LIMITERS.get(loop)
-    if limiter is None:
-        limiter = _LIMITERS[loop] = anyio.CapacityLimiter(admission.limit)
-    return limiter

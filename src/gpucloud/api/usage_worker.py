@@ -4,14 +4,19 @@ Pod creates and usage batches share the server's CPUs (and, on one host, Postgre
 A batch is deferrable (its node spools it until acknowledged), a create is not: so each
 API worker hands the batches it admits (api/usage_admission.py) to an **ingest worker**,
 a child process it supervises, which parses, validates and stores them. While API calls
-run (the API workers' shared activity stamp) its ingest threads, and the PostgreSQL
-backends of its connections when the database runs on this host, are at ``nice`` 19
+run (the API workers' shared activity stamp) its ingest threads are at ``nice`` 19
 (``GPUCLOUD_USAGE_INGEST_NICE``) within milliseconds of the first call: the kernel gives
 a create's threads and its backend the CPU whenever they want it, and ingest runs on what
 is left. While the API is quiet they are back at 0, so other work on the host does not
-starve ingest. Nothing of a batch's parsing competes for the API worker's GIL, and while
-API calls run a batch commits without forcing a WAL flush that creates would queue behind
-(``CommitMode``).
+starve ingest. Where the host lets it (root, a writable cpu controller), the worker
+is also in a cpu cgroup of its own, idle while API calls run (api/ingest_cgroup.py):
+``nice`` alone holds only inside one scheduling group. A batch already running when API
+calls begin pauses between its statements (``Pause``), where its PostgreSQL backend holds
+no lock a create could wait for; the backends themselves keep PostgreSQL's priority
+(``GPUCLOUD_USAGE_INGEST_BACKENDS=follow``: the worker's, which starved a backend inside
+its statement, holding locks the creates then waited for). Nothing of a batch's parsing
+competes for the API worker's GIL, and while API calls run a batch commits without
+forcing a WAL flush that creates would queue behind (``CommitMode``).
 
 The route's meaning is unchanged: the worker checks the fencing token, stores the batch
 in one transaction (idempotent per sample key) and answers only after the commit, so a
@@ -48,9 +53,11 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 from sqlalchemy import event, text
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from gpucloud.api.errors import describe_validation
+from gpucloud.api.errors import database_unavailable, describe_validation
+from gpucloud.api.ingest_cgroup import IngestGroup, open_group
 from gpucloud.core.errors import (
     Conflict,
     GpucloudError,
@@ -68,12 +75,28 @@ log = logging.getLogger(__name__)
 
 NICE_ENV = "GPUCLOUD_USAGE_INGEST_NICE"
 MODE_ENV = "GPUCLOUD_USAGE_INGEST"
+CGROUP_ENV = "GPUCLOUD_USAGE_INGEST_CGROUP"
+#: ``lazy`` (default): while API calls run, commits not flushed, answered once durable;
+#: ``sync``: every batch's commit flushes its own WAL (bench/usage.py compares the two).
+COMMIT_ENV = "GPUCLOUD_USAGE_INGEST_COMMIT"
+#: ``normal`` (default): the worker's backends stay at PostgreSQL's own priority (a
+#: backend starved while it holds a WAL insertion, buffer or lock-manager lock stalls the
+#: creates that need it; ingest pauses between statements instead, see ``Pause``);
+#: ``follow``: they take the worker's nice level and cgroup.
+BACKENDS_ENV = "GPUCLOUD_USAGE_INGEST_BACKENDS"
 DEFAULT_NICE = 19
 #: The worker's PostgreSQL sessions, as pg_stat_activity names them.
 APPLICATION_NAME = "gpucloud-usage-ingest"
 #: The API workers' shared activity stamp, and their quiet gap (set for the worker).
 ACTIVITY_ENV = "GPUCLOUD_USAGE_ACTIVITY"
 QUIET_ENV = "GPUCLOUD_USAGE_QUIET_SECONDS"
+#: The admission's deferral (api/usage_admission.py): a batch pauses between its
+#: statements while a stretch of API calls is younger than this.
+DEFER_ENV = "GPUCLOUD_USAGE_DEFER_SECONDS"
+#: ``on`` (default): running batches pause between statements while API calls run
+#: (``Pause``); ``off``: a batch runs to its end in one INSERT (bench/usage.py compares).
+PAUSE_ENV = "GPUCLOUD_USAGE_INGEST_PAUSE"
+_PAUSE_POLL_SECONDS = 0.005
 #: A batch committed while busy waits this long for the WAL writer's flush at most.
 FLUSH_WAIT_SECONDS = 0.25
 _FLUSH_POLL_SECONDS = 0.01
@@ -82,6 +105,10 @@ _REQUEST = struct.Struct(">QI")
 _ANSWER = struct.Struct(">I")
 _ERRORS: dict[str, type[GpucloudError]] = {
     cls.__name__: cls for cls in (Conflict, StaleFencingToken, NotFound)}
+
+
+#: The worker's error kind for "the database cannot be reached now" (api/errors.py).
+DATABASE_UNAVAILABLE = "database-unavailable"
 
 
 class IngestUnavailable(Exception):
@@ -129,9 +156,11 @@ class IngestWorker:
     API worker's ingest threads (at most ``slots`` at once), never its event loop."""
 
     def __init__(self, database_url: str, slots: int = 2, nice: int | None = None,
-                 activity: Path | None = None, quiet_seconds: float = 0.5) -> None:
+                 activity: Path | None = None, quiet_seconds: float = 0.5,
+                 defer_seconds: float = 10.0) -> None:
         self.database_url = database_url
         self.activity, self.quiet_seconds = activity, quiet_seconds
+        self.defer_seconds = defer_seconds
         self.slots = slots
         self.nice = nice_from_env() if nice is None else nice
         self._child: _Child | None = None
@@ -157,7 +186,8 @@ class IngestWorker:
         ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
         fds = [s.fileno() for s in theirs]
         env = {**os.environ, "GPUCLOUD_DATABASE_URL": self.database_url,
-               NICE_ENV: str(self.nice), QUIET_ENV: str(self.quiet_seconds)}
+               NICE_ENV: str(self.nice), QUIET_ENV: str(self.quiet_seconds),
+               DEFER_ENV: str(self.defer_seconds)}
         if self.activity is not None:
             env[ACTIVITY_ENV] = str(self.activity)
         try:
@@ -221,6 +251,8 @@ def _error(payload: dict[str, Any]) -> Exception:
         return error
     if kind in _ERRORS:
         return _ERRORS[kind](message)
+    if kind == DATABASE_UNAVAILABLE:  # the API's database handler answers 503 + Retry-After
+        return OperationalError("usage ingest worker", None, ConnectionError(message))
     return RuntimeError(f"usage ingest worker: {message}")
 
 
@@ -236,16 +268,17 @@ def _read(sock: socket.socket, size: int) -> bytes:
 
 
 def parse_and_ingest(ctx: ServiceContext, node_id: str, body: bytes,
-                     before_commit: Callable[[Session], None] | None = None
-                     ) -> AgentUsageBatchOut:
+                     before_commit: Callable[[Session], None] | None = None,
+                     between: Callable[[], None] | None = None) -> AgentUsageBatchOut:
     """Pydantic straight from the bytes, then store. The models bound every integer to
     BIGINT and every float to finite values, and ``usage.ingest`` refuses NUL in strings:
-    what api/limits.py's generic walk (half the CPU of a batch) would check."""
+    what api/limits.py's generic walk (half the CPU of a batch) would check.
+    ``between``: see ``usage.ingest`` (the worker's ``Pause``)."""
     try:
         batch = AgentUsageBatchRequest.model_validate_json(body)
     except ValidationError as error:
         raise _invalid(*describe_validation(error.errors())) from None
-    return usage.ingest(ctx, node_id, batch, before_commit)
+    return usage.ingest(ctx, node_id, batch, before_commit, between)
 
 
 def _invalid(field: str, detail: str) -> InvalidInput:
@@ -273,11 +306,16 @@ class Priority:
     ``nice`` while API calls run, 0 while the API is quiet (then there is nothing to
     yield to, and other work on the host should not starve ingest). Going back to 0
     needs CAP_SYS_NICE (root has it); without it the level stays at ``nice`` for good.
-    Raising another user's process's nice value (the backends) needs it too."""
+    Raising another user's process's nice value (the backends) needs it too.
 
-    def __init__(self, nice: int) -> None:
+    ``group`` (api/ingest_cgroup.py), where there is one, holds the worker process and
+    its backends and is idle whenever the level is ``nice``: that holds against API work
+    in other scheduling groups too (PostgreSQL's), which ``nice`` does not."""
+
+    def __init__(self, nice: int, group: IngestGroup | None = None) -> None:
         self.nice, self.level = nice, 0
         self.sticky = False
+        self.group = group
         self._lock = threading.Lock()
         self._tasks: set[int] = set()  # thread ids and backend pids
 
@@ -286,12 +324,20 @@ class Priority:
             self._tasks.add(task)
             self._set(task, self.level)
 
+    def add_backend(self, pid: int) -> None:
+        """A PostgreSQL backend of the worker's: its nice level, and the group."""
+        if self.group is not None:
+            self.group.join(pid)
+        self.add(pid)
+
     def set(self, busy: bool) -> None:
         level = self.nice if busy or self.sticky else 0
         with self._lock:
             if level == self.level:
                 return
             self.level = level
+            if self.group is not None:
+                self.group.set_busy(level > 0)
             for task in list(self._tasks):
                 self._set(task, level)
 
@@ -312,7 +358,10 @@ class Priority:
 
 def follow_api(priority: Priority, mode: CommitMode, every: float = 0.005) -> None:
     """Forever: the ingest priority follows the API activity (a thread at nice 0, so
-    a burst of creates cannot starve the thread that lowers ingest for it)."""
+    a burst of creates cannot starve the thread that lowers ingest for it; out of the
+    ingest cgroup where the kernel allows, for the same reason)."""
+    if priority.group is not None:
+        priority.group.leave(threading.get_native_id())
     while True:
         priority.set(mode.busy())
         time.sleep(every)
@@ -325,6 +374,7 @@ def renice_backends(engine: Any, database_url: str, priority: Priority) -> bool:
     if not database_url.startswith("postgresql") or host not in (None, "", "localhost",
                                                                    "127.0.0.1", "::1"):
         return False
+    follow = os.environ.get(BACKENDS_ENV, "normal").strip().lower() == "follow"
 
     @event.listens_for(engine, "connect")
     def _renice(dbapi_connection: Any, _record: Any) -> None:
@@ -338,8 +388,8 @@ def renice_backends(engine: Any, database_url: str, priority: Priority) -> bool:
             local = "postgres" in Path(f"/proc/{pid}/comm").read_text()  # that server's
         except OSError:
             local = False
-        if local:
-            priority.add(pid)
+        if local and follow:
+            priority.add_backend(pid)
 
     return True
 
@@ -371,8 +421,9 @@ class CommitMode:
     only once the flush has passed its commit (the WAL writer's or a create's flush, else
     after FLUSH_WAIT_SECONDS one of its own). Quiet: ordinary synchronous commits."""
 
-    def __init__(self, db: Database, stamp: Path | None, quiet_seconds: float) -> None:
-        self.db, self.quiet_seconds = db, quiet_seconds
+    def __init__(self, db: Database, stamp: Path | None, quiet_seconds: float,
+                 lazy: bool = True) -> None:
+        self.db, self.quiet_seconds, self.lazy = db, quiet_seconds, lazy
         self._stamp = _open_stamp(stamp) if stamp is not None else None
 
     def follows_api(self) -> bool:
@@ -386,7 +437,7 @@ class CommitMode:
 
     def before_commit(self, deferred: list[bool]) -> Callable[[Session], None]:
         def decide(session: Session) -> None:
-            if not self.db.is_sqlite and self.busy():
+            if self.lazy and not self.db.is_sqlite and self.busy():
                 session.execute(text("SET LOCAL synchronous_commit = off"))
                 deferred.append(True)
         return decide
@@ -409,6 +460,57 @@ class CommitMode:
                 "SELECT pg_logical_emit_message(true, 'gpucloud-usage', '')"))
 
 
+class Pause:
+    """Between the statements of a batch (``usage.ingest``'s ``between``): wait while a
+    stretch of API calls on this host is younger than ``defer_seconds``, the admission's
+    deferral (api/usage_admission.py). The admission holds back the batches that wait;
+    this holds the ones already running when a burst begins: they stop after their
+    statement in progress (``usage.PAUSE_ROWS`` samples, milliseconds) and go on once
+    the API is quiet, or once the stretch is ``defer_seconds`` old (then the admission's
+    pacing takes over: a batch is never held longer, so ingest keeps its progress).
+    Paused, the batch's backend is idle in its transaction and holds no lightweight lock
+    (WAL insertion, buffer, lock manager) that a create's backend would wait for; what it
+    has inserted so far stays uncommitted, so the batch is still all or nothing."""
+
+    def __init__(self, stamp: Path | None, quiet_seconds: float, defer_seconds: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.quiet_seconds, self.defer_seconds = quiet_seconds, defer_seconds
+        self.clock, self.sleep = clock, sleep
+        self._stamp = _open_stamp(stamp) if stamp is not None else None
+        self.paused = 0.0  # seconds spent paused, all batches
+
+    def held(self) -> bool:
+        """Whether a running batch waits now (an API stretch younger than the deferral)."""
+        if self._stamp is None:
+            return False
+        last, since = struct.unpack_from("dd", self._stamp, 0)
+        now = self.clock()
+        return bool(now - last < self.quiet_seconds and now - since < self.defer_seconds)
+
+    def __call__(self) -> None:
+        began = self.clock()
+        while self.held():
+            self.sleep(_PAUSE_POLL_SECONDS)
+        self.paused += self.clock() - began
+
+
+def pause_from_env() -> bool:
+    """``GPUCLOUD_USAGE_INGEST_PAUSE``: ``on`` (default) or ``off``."""
+    value = os.environ.get(PAUSE_ENV, "on").strip().lower()
+    if value not in ("on", "off"):
+        log.warning("%s=%r is not on or off; using on", PAUSE_ENV, value)
+    return value != "off"
+
+
+def lazy_from_env() -> bool:
+    """``GPUCLOUD_USAGE_INGEST_COMMIT``: ``lazy`` (default) or ``sync``."""
+    value = os.environ.get(COMMIT_ENV, "lazy").strip().lower()
+    if value not in ("lazy", "sync"):
+        log.warning("%s=%r is not lazy or sync; using lazy", COMMIT_ENV, value)
+    return value != "sync"
+
+
 def _open_stamp(path: Path) -> mmap.mmap | None:
     try:
         with path.open("rb") as file:
@@ -417,14 +519,16 @@ def _open_stamp(path: Path) -> mmap.mmap | None:
         return None
 
 
-def _handler(database_url: str, priority: Priority
+def _handler(db: Database, database_url: str, priority: Priority
              ) -> Callable[[dict[str, Any], bytes], dict[str, Any]]:
-    db = Database(database_url)
     renice_backends(db.engine, database_url, priority)
     settings = Settings.from_env()
     stamp = os.environ.get(ACTIVITY_ENV)
-    mode = CommitMode(db, Path(stamp) if stamp else None,
-                      float(os.environ.get(QUIET_ENV, "0.5")))
+    quiet = float(os.environ.get(QUIET_ENV, "0.5"))
+    mode = CommitMode(db, Path(stamp) if stamp else None, quiet, lazy_from_env())
+    pause = Pause(Path(stamp) if stamp else None, quiet,
+                  float(os.environ.get(DEFER_ENV, "10")))
+    between = pause if pause_from_env() else None
     if mode.follows_api():
         threading.Thread(target=follow_api, args=(priority, mode), daemon=True).start()
     else:  # no stamp to follow: background priority for good
@@ -437,7 +541,7 @@ def _handler(database_url: str, priority: Priority
         deferred: list[bool] = []
         try:
             out = parse_and_ingest(ctx, str(header["node_id"]), body,
-                                   mode.before_commit(deferred))
+                                   mode.before_commit(deferred), between)
             if deferred:
                 mode.wait_flushed()
         except InvalidInput as error:
@@ -445,6 +549,12 @@ def _handler(database_url: str, priority: Priority
                               "message": error.message}}
         except GpucloudError as error:
             return {"error": {"kind": type(error).__name__, "message": error.message}}
+        except SQLAlchemyError as error:
+            if not database_unavailable(error):
+                log.exception("usage batch failed")
+                return {"error": {"kind": "internal", "message": repr(error)}}
+            log.warning("usage batch: the database is unavailable: %s", error)
+            return {"error": {"kind": DATABASE_UNAVAILABLE, "message": str(error)}}
         except Exception as error:  # a 500 in the API worker, logged here
             log.exception("usage batch failed")
             return {"error": {"kind": "internal", "message": repr(error)}}
@@ -453,16 +563,38 @@ def _handler(database_url: str, priority: Priority
     return handle
 
 
+def _group() -> IngestGroup | None:
+    """This process in its ingest cgroup (None: not possible here, or
+    ``GPUCLOUD_USAGE_INGEST_CGROUP=off``; nice alone)."""
+    setting = os.environ.get(CGROUP_ENV, "auto").strip().lower()
+    if setting not in ("auto", "off"):
+        log.warning("%s=%r is not auto or off; using auto", CGROUP_ENV, setting)
+    if setting == "off":
+        return None
+    group = open_group(os.getpid())
+    if group is not None and not group.join(os.getpid()):
+        group.close(os.getpid())
+        return None
+    return group
+
+
 def main(fds: str) -> None:
-    priority = Priority(nice_from_env())
-    handle = _handler(os.environ["GPUCLOUD_DATABASE_URL"], priority)
-    threads = [threading.Thread(target=_serve, args=(socket.socket(fileno=int(fd)), handle,
-                                                     priority))
-               for fd in fds.split(",")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    database_url = os.environ["GPUCLOUD_DATABASE_URL"]
+    priority = Priority(nice_from_env(), _group())
+    db = Database(database_url)
+    try:
+        handle = _handler(db, database_url, priority)
+        threads = [threading.Thread(target=_serve, args=(socket.socket(fileno=int(fd)),
+                                                         handle, priority))
+                   for fd in fds.split(",")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        db.dispose()  # the backends end, so that the group can go
+        if priority.group is not None:
+            priority.group.close(os.getpid())
 
 
 if __name__ == "__main__":

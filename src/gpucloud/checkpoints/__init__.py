@@ -35,5 +35,8 @@ def open_store(home: Path, url: str | None) -> ChunkStore:
     return S3Store(bucket, prefix)
 
 
+@lru_cache(maxsize=16)
 def staging(home: Path) -> Staging:
+    """The partial uploads under ``home``: one object per home, so that what it sets up
+    once (its lock folder) is set up once per process."""
     return Staging(home / "checkpoints" / "uploads")

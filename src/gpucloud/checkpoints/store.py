@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -140,6 +141,13 @@ class Staging:
     def path(self, project: str, digest: str) -> Path:
         return self.root / project / f"{digest}.part"
 
+    @cached_property
+    def _lock_folder(self) -> Path:
+        """Made on the first lock, once (two threads at once both ``mkdir``: harmless)."""
+        folder = self.root / ".locks"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
     @contextmanager
     def locked(self, digest: str) -> Iterator[None]:
         """Hold the chunk's upload lock: the bytes held, the append and the finish of
@@ -147,9 +155,7 @@ class Staging:
         ranks with the same bytes, two server processes) never interleave. ``flock``, so
         threads and processes on this host alike."""
         stripe = int(digest[-8:], 16) % self.LOCK_STRIPES if digest else 0
-        folder = self.root / ".locks"
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"{stripe:04d}", "a+b") as handle:
+        with open(self._lock_folder / f"{stripe:04d}", "a+b") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
                 yield

@@ -13,11 +13,10 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gpucloud.agent.agent import Agent
 from gpucloud.agent.config import (
     DEFAULT_POLL_WAIT_SECONDS,
     DEFAULT_STOP_GRACE_SECONDS,
@@ -28,6 +27,9 @@ from gpucloud.agent.config import (
 )
 from gpucloud.agent.ports import parse_port_range
 from gpucloud.cli.common import CliError, cli_errors
+
+if TYPE_CHECKING:
+    from gpucloud.agent.agent import Agent
 
 RUNC = "/usr/bin/runc"
 
@@ -133,6 +135,9 @@ def agent(
         )
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        # The agent's imports are paid by this command only (the CLI imports this module).
+        from gpucloud.agent.agent import Agent  # noqa: PLC0415
+
         node_agent = Agent(config)
         if node_agent.hardware_note:
             typer.echo(node_agent.hardware_note, err=True)

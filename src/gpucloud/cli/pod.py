@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import time
 from typing import Annotated
 
 import typer
@@ -11,7 +10,6 @@ import typer
 from gpucloud.cli import pod_access, resources
 from gpucloud.cli.common import (
     EVENT_TIME_FORMAT,
-    FOLLOW_POLL_SECONDS,
     CliError,
     OutputFormat,
     OutputOption,
@@ -25,6 +23,8 @@ from gpucloud.core.models import PodCreateRequest, PodOut
 from gpucloud.core.quantities import format_memory
 
 app = typer.Typer(help="GPU pods: containers with GPUs.", no_args_is_help=True)
+#: How long each waiting read of ``logs --follow`` is held (the API's longest).
+FOLLOW_WAIT_SECONDS = 30.0
 app.command("exec")(pod_access.exec_)
 app.command("ssh")(pod_access.ssh)
 
@@ -146,14 +146,14 @@ def logs(
     """The pod's output (stdout and stderr) of its current run."""
     with cli_errors():
         api = client()
-        chunk = api.pod_logs(pod, tail=tail)
         if output is OutputFormat.JSON:
-            emit(chunk, output, lambda: None)
+            emit(api.pod_logs(pod, tail=tail), output, lambda: None)
             return
-        typer.echo(chunk.text, nl=False)
-        while follow and not chunk.finished:
-            time.sleep(FOLLOW_POLL_SECONDS)
-            chunk = api.pod_logs(pod, offset=chunk.next_offset, attempt=chunk.attempt)
+        if not follow:
+            typer.echo(api.pod_logs(pod, tail=tail).text, nl=False)
+            return
+        # Waiting reads: each new piece is printed as soon as the server has it.
+        for chunk in api.follow_pod_logs(pod, tail=tail, wait=FOLLOW_WAIT_SECONDS):
             typer.echo(chunk.text, nl=False)
 
 

@@ -8,12 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import uvicorn
 
-from gpucloud.api.app import create_app
 from gpucloud.cli.common import CliError, cli_errors, config_path, save_config
-from gpucloud.core.settings import Settings
-from gpucloud.services.metrics import MULTIPROC_ENV
+from gpucloud.core.settings import MULTIPROC_ENV, Settings
 
 #: How long a stopping server waits for requests in flight: agents' long polls (up to
 #: 60 s) are cut, and the agents simply poll again.
@@ -32,6 +29,11 @@ def server(
         envvar="GPUCLOUD_SSH_PORT")] = DEFAULT_SSH_PORT,
     ssh_host: Annotated[str | None, typer.Option(
         help="Address of the SSH gateway (default: --host)")] = None,
+    controllers: Annotated[bool, typer.Option(
+        "--controllers/--no-controllers", envvar="GPUCLOUD_CONTROLLERS",
+        help="Run the controllers (one replica leads them). --no-controllers: an API "
+             "replica that never leads, for agents apart from the scheduler "
+             "(docs/replicas.md)")] = True,
 ) -> None:
     """Run the control plane (API, scheduler, node leases, the SSH gateway)."""
     with cli_errors():
@@ -42,15 +44,22 @@ def server(
         except ValueError as error:  # a GPUCLOUD_* variable that does not parse
             raise CliError(str(error)) from None
         settings = replace(from_env, ssh_port=ssh_port, ssh_host=ssh_host or host,
-                           ssh_reuse_port=workers > 1)
+                           ssh_reuse_port=workers > 1, controllers=controllers)
         # Worker processes build their settings from the environment.
         os.environ.update(GPUCLOUD_SSH_PORT=str(ssh_port), GPUCLOUD_SSH_HOST=settings.ssh_host,
-                          GPUCLOUD_SSH_REUSE_PORT="1" if workers > 1 else "0")
+                          GPUCLOUD_SSH_REUSE_PORT="1" if workers > 1 else "0",
+                          GPUCLOUD_CONTROLLERS="1" if controllers else "0")
         settings.home.mkdir(parents=True, exist_ok=True)
         typer.echo(f"gpucloud server on http://{host}:{port} (state in {settings.home}, "
                    f"database {settings.database_url.split('://')[0]})")
         log_level = "info" if access_log else "warning"
+        # The server's imports (seconds of CPU) are paid by this command only, so that every
+        # other command of the CLI, which imports this module, starts fast.
+        import uvicorn  # noqa: PLC0415
+
         if workers == 1:
+            from gpucloud.api.app import create_app  # noqa: PLC0415
+
             uvicorn.run(create_app(settings), host=host, port=port, access_log=access_log,
                         log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_SECONDS)
         else:

@@ -7,6 +7,7 @@ Errors come back as the matching class of the exception tree (``NotFound``, ``Co
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -268,13 +269,31 @@ class GpucloudClient(_Base):
         return self._typed(PodWhyOut, "GET", f"/v1/pods/{ref}/why")
 
     def pod_logs(self, ref: str, offset: int = 0, tail: int | None = None,
-                 attempt: int | None = None) -> PodLogsOut:
+                 attempt: int | None = None, wait: float = 0) -> PodLogsOut:
+        """The pod's output from byte ``offset``. ``wait`` (up to 30 s): a long poll that
+        answers as soon as there is output past ``offset`` (or the pod has finished), else
+        with no text once it is over; follow with ``next_offset`` and ``attempt``."""
         params: dict[str, Any] = {"offset": offset}
         if tail is not None:
             params["tail"] = tail
         if attempt is not None:
             params["attempt"] = attempt
-        return self._typed(PodLogsOut, "GET", f"/v1/pods/{ref}/logs", params=params)
+        if wait:
+            params["wait"] = wait
+        return self._typed(PodLogsOut, "GET", f"/v1/pods/{ref}/logs", params=params,
+                           timeout=wait + 30 if wait else None)
+
+    def follow_pod_logs(self, ref: str, tail: int | None = None,
+                        wait: float = 30) -> Iterator[PodLogsOut]:
+        """The pod's output as it comes, piece by piece (each a waiting read of up to
+        ``wait`` s: no polling), until the pod has finished and all of it was read."""
+        chunk = self.pod_logs(ref, tail=tail)
+        yield chunk
+        while not chunk.finished:
+            chunk = self.pod_logs(ref, offset=chunk.next_offset, attempt=chunk.attempt,
+                                  wait=wait)
+            if chunk.text:
+                yield chunk
 
     def stop_pod(self, ref: str, grace: float | None = None) -> PodOut:
         params = {"grace": grace} if grace is not None else None

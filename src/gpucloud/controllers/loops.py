@@ -14,8 +14,10 @@ from datetime import datetime, timedelta
 from sqlalchemy.exc import OperationalError
 
 from gpucloud.core.clock import SystemClock
+from gpucloud.core.trace import mark
 from gpucloud.scheduler import Scheduler
 from gpucloud.services import (
+    assignment_answers,
     autoscale,
     drain,
     gangs,
@@ -28,6 +30,7 @@ from gpucloud.services import (
     serverless_queue,
     spend,
     usage_retention,
+    wakeups,
 )
 from gpucloud.services.context import ServiceContext
 
@@ -43,6 +46,15 @@ DISRUPTION_MIN_NODES = 10
 SLOW_EVICTION_SECONDS = 30.0
 #: How often the leader looks for lapsed node leases (on its own thread).
 LEASE_TICK_SECONDS = 0.5
+#: After a leader change the fresh TTL lasts while the fleet is still coming back (a
+#: lapsed node renewed within ``CATCH_UP_QUIET_TTLS`` TTLs), at most this many TTLs.
+CATCH_UP_MAX_TTLS = 6.0
+CATCH_UP_QUIET_TTLS = 0.5
+
+
+#: A pass that bound pods to at most this many nodes builds the answers of their polls
+#: waiting in this process before waking them (``SchedulingController.announce``).
+PRIME_MAX_NODES = 8
 
 
 class SchedulingController:
@@ -54,10 +66,33 @@ class SchedulingController:
         #: Passes rebuild only the nodes that changed since the last one.
         self.snapshots = scheduling.SnapshotCache()
 
+    def announce(self, node_ids: list[str]) -> None:
+        """Wake the polls of the nodes a bind claimed; for a few nodes, their answers are
+        built first, here (``assignment_answers.AnswerCache.prime``): in line, before the
+        periodic controllers run beside the poll's own build, and the woken poll serves
+        them with no query. A large pass only wakes (its agents' polls build their own
+        answers on the request threads, in parallel with the pass)."""
+        try:
+            if len(node_ids) <= PRIME_MAX_NODES:
+                for node_id in node_ids:
+                    if wakeups.ASSIGNMENTS.listeners(node_id):
+                        assignment_answers.ANSWERS.prime(self.ctx, node_id)
+        finally:
+            scheduling.notify_nodes(node_ids)
+
     def tick(self) -> scheduling.PassResult:
         """Place pending pods; for those that fit nowhere, preempt lower-priority work."""
         started = time.perf_counter()
-        result = scheduling.run_pass(self.ctx, self.scheduler, cache=self.snapshots)
+        mark("scheduler.pass.start")
+        try:
+            result = scheduling.run_pass(self.ctx, self.scheduler, cache=self.snapshots,
+                                         announce=self.announce)
+        except Exception:
+            # Whatever broke the pass, the next one starts from a full snapshot: a cache
+            # left inconsistent by it must not fail every later pass the same way.
+            self.snapshots = scheduling.SnapshotCache()
+            raise
+        mark("scheduler.pass.end", considered=result.considered, bound=len(result.scheduled))
         metrics.observe_pass(time.perf_counter() - started,
                              {k: len(getattr(result, k)) for k in metrics.PASS_OUTCOMES})
         if result.unschedulable:
@@ -76,6 +111,8 @@ class JobController:
         self.scheduler = scheduler or Scheduler(ctx.settings.scheduler_profile)
 
     def tick(self) -> gangs.JobPassResult:
+        if not gangs.has_work(self.ctx):  # one read instead of the two looks below
+            return gangs.JobPassResult()
         gangs.reconcile(self.ctx)
         result = gangs.run_pass(self.ctx, self.scheduler)
         if result.unschedulable:
@@ -154,9 +191,16 @@ class NodeLeaseController:
 
     - A fresh TTL first (Nomad): for ``startup_grace_seconds`` (by default one node lease
       TTL) after its first tick, and again after each leader change (``on_new_epoch``), it
-      marks nothing: after a server outage or a failover every lease may look lapsed, and
-      the agents need one renewal period to come back. That is every lease getting a fresh
-      TTL from the change, without a write per node.
+      marks nothing. At a leader change every Ready lease is also extended to one TTL
+      from then (``nodes.refresh_leases``): an agent that could not reach a server during
+      the failover renews on the hot path and keeps its grant. Then, while the
+      fleet is still coming back (a node that looked lapsed renewed within the last
+      ``CATCH_UP_QUIET_TTLS`` TTLs), it keeps waiting, up to ``CATCH_UP_MAX_TTLS`` TTLs
+      from the change: the one replica left after a failover, at once the new leader and
+      the server of every agent, can be too busy to answer some agents for longer than a
+      TTL (bench/fleet.py found 49–77 healthy nodes Lost that way). A node that is really
+      gone stops looking lapsed only by being marked: once nothing has come back for that
+      long, the rest are marked. Real losses outside a failover are not delayed.
     - Slowed evictions (Kubernetes): when more than ``DISRUPTION_FRACTION`` of at least
       ``DISRUPTION_MIN_NODES`` Ready nodes look lost at once, the likelier cause is the
       server side (a stall, a network event), not that many machines: it marks at most one
@@ -185,12 +229,19 @@ class NodeLeaseController:
         self.slow_eviction = timedelta(seconds=SLOW_EVICTION_SECONDS)
         self._active_since: datetime | None = None
         self._next_slow_eviction: datetime | None = None
+        #: a new epoch's fresh TTL is yet to be written
+        self._refresh = False
+        #: while catching up after a new epoch's grace: the lapsed count at the last look
+        #: and when a lapsed node last came back (None: not started); done until the next
+        self._catch_up: tuple[int, datetime] | None = None
+        self._caught_up = True
 
     def on_new_epoch(self) -> None:
         """This replica just became the leader: every lease gets a fresh TTL from now."""
         with self._lock:
             self._active_since = self.ctx.clock.now()
             self._last_look = None
+            self._refresh = True
             self.startup_grace = max(self.startup_grace,
                                      timedelta(seconds=self.ctx.settings.lease_ttl_seconds))
 
@@ -203,13 +254,45 @@ class NodeLeaseController:
         self._watch_clock(now)
         if self._active_since is None:
             self._active_since = now
+        if self._refresh:
+            moved = nodes.refresh_leases(self.ctx, now)
+            # The grace counts from the fresh TTL itself, not from the epoch's callback
+            # (up to a tick earlier): ended before the fresh leases can lapse, the catch-up
+            # would find none lapsed, call the fleet caught up, and mark the stragglers.
+            self._active_since = max(self._active_since, now)
+            self._refresh = False
+            self._catch_up, self._caught_up = None, False
+            log.info("a fresh TTL for %d node leases (leader change)", moved)
         if now < self._active_since + self.startup_grace:
+            return []
+        if self._catching_up(now):
             return []
         lost = nodes.expire_leases(self.ctx, self._eviction_limit(now))
         metrics.LEASES_EXPIRED.inc(len(lost))
         for name in lost:
             log.warning("node %s lost: its lease expired", name)
         return lost
+
+    def _catching_up(self, now: datetime) -> bool:
+        """After the grace: whether lapsed nodes are still coming back (see the class)."""
+        assert self._active_since is not None
+        ttl = self.ctx.settings.lease_ttl_seconds
+        if self._caught_up or now >= self._active_since + timedelta(
+                seconds=ttl * CATCH_UP_MAX_TTLS):
+            self._caught_up = True
+            return False
+        lapsed, _ = nodes.lease_health(self.ctx)
+        if self._catch_up is None:  # the grace just ended: the count to fall from
+            self._catch_up = (lapsed, now)
+            return lapsed > 0
+        before, back_at = self._catch_up
+        if lapsed < before:
+            back_at = now
+        self._catch_up = (lapsed, back_at)
+        if lapsed and now < back_at + timedelta(seconds=ttl * CATCH_UP_QUIET_TTLS):
+            return True
+        self._caught_up = True
+        return False
 
     def _watch_clock(self, now: datetime) -> None:
         """Detect a clock jump since the last tick and rebase the leases (see the class)."""
@@ -226,6 +309,8 @@ class NodeLeaseController:
             self._active_since += shift
         if self._next_slow_eviction is not None:
             self._next_slow_eviction += shift
+        if self._catch_up is not None:
+            self._catch_up = (self._catch_up[0], self._catch_up[1] + shift)
         moved = nodes.rebase_leases(self.ctx, alive_at=last[0])
         log.warning("the clock jumped %+.1f s since the last look: %d node leases now "
                     "expire one TTL from now", jump, moved)
@@ -355,6 +440,7 @@ class ControllerRunner:
         self.autoscale.tick()
 
     def _place(self) -> bool:
+        mark("controllers.place")
         self.jobs.tick()
         return self.scheduling.tick().considered >= scheduling.PASS_LIMIT
 
@@ -383,6 +469,7 @@ class ControllerRunner:
         woken = False
         while not self._stop.is_set():
             backlog = False
+            started = time.monotonic()
             try:
                 backlog = self.run_once(woken=woken)
             except leadership.LeaderLostError as error:
@@ -391,11 +478,13 @@ class ControllerRunner:
                 log.warning("controller pass failed on the database, retrying: %s", error)
             except Exception:  # noqa: BLE001 - a bug in one pass must not stop every loop
                 log.exception("controller pass failed")
-            # Passes asked for run at most every MIN_GAP seconds, so a burst of creates is
-            # placed in batches instead of one pass per request; idle, they run every
-            # interval. After a periodic pass a request's pass starts at once.
+            # Passes asked for run at most every MIN_GAP seconds (start to start), so a
+            # burst of creates is placed in batches instead of one pass per request;
+            # idle, they run every interval. After a periodic pass a request's pass
+            # starts at once.
             if woken or backlog:
-                self._stop.wait(MIN_GAP_SECONDS)
+                self._stop.wait(max(0.0, MIN_GAP_SECONDS - (time.monotonic() - started)))
             # A full pass left pending pods: go on at once.
             woken = self._wake.is_set() if backlog else self._wake.wait(self.interval)
             self._wake.clear()
+            mark("controllers.woken", woken=woken)

@@ -54,6 +54,11 @@ ACTIVE_PHASE_VALUES: tuple[str, ...] = tuple(sorted(p.value for p in ACTIVE_PHAS
 #: Phases after which nothing runs until a restart.
 TERMINAL_PHASES: frozenset[PodPhase] = frozenset({P.SUCCEEDED, P.FAILED, P.STOPPED, P.LOST})
 
+#: ``desired_state`` of a pod restarting in place (RunPod's ``podRestart``): its agent is
+#: told ``stopped``, and the server starts the pod again once it has ended
+#: (services/pods.restart_pod, complete_restart).
+RESTARTING = "restarting"
+
 
 def can_transition(current: PodPhase, target: PodPhase) -> bool:
     return target in POD_TRANSITIONS[current]

@@ -8,6 +8,9 @@ from pathlib import Path
 
 from gpucloud.core.egress import DEFAULT_DENIED, EgressPolicy, parse_networks
 
+#: prometheus-client's multiprocess folder (several server workers; docs/usage.md)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
 
 def gpucloud_home() -> Path:
     return Path(os.environ.get("GPUCLOUD_HOME") or Path.home() / ".gpucloud")
@@ -37,6 +40,10 @@ class Settings:
     auth_failure_burst: int = 20
     auth_failures_per_minute: float = 10.0
     scheduler_interval_seconds: float = 1.0
+    #: Whether this replica runs the controllers (and may take their lease). False: an
+    #: API replica that never leads, so agents behind the balancer never share a process
+    #: with the scheduler (docs/replicas.md). Env GPUCLOUD_CONTROLLERS=0.
+    controllers: bool = True
     scheduler_profile: str = "default"
     restart_backoff_seconds: float = 5.0
     restart_backoff_max_seconds: float = 300.0
@@ -89,6 +96,12 @@ class Settings:
     serverless_long_poll_seconds: float = 30.0
     #: The most a ``runsync`` is held for its result (RunPod's ``?wait=`` is up to 300 s).
     serverless_runsync_max_wait_seconds: float = 300.0
+    #: The most a waiting log read (``GET /v1/pods/{ref}/logs?wait=``, up to 30 s) is
+    #: held before it answers with what it has (tests set it short), and how often it
+    #: re-reads the log meanwhile: the wake-up of a stored chunk is a hint (one lost
+    #: between replicas costs at most this). Env GPUCLOUD_LOG_WAIT_RECHECK (seconds).
+    log_wait_max_seconds: float = 30.0
+    log_wait_recheck_seconds: float = 1.0
     #: Where webhooks may be POSTed (core/egress.py): denied networks (env
     #: GPUCLOUD_WEBHOOK_DENY, comma-separated; default loopback, link-local and the
     #: metadata addresses) and allowed ones that override them (GPUCLOUD_WEBHOOK_ALLOW).
@@ -107,6 +120,7 @@ class Settings:
             auth_cache_ttl_seconds=min(MAX_AUTH_CACHE_TTL, float(
                 os.environ.get("GPUCLOUD_AUTH_CACHE_TTL", "5"))),
             scheduler_profile=os.environ.get("GPUCLOUD_SCHEDULER_PROFILE", "default"),
+            controllers=os.environ.get("GPUCLOUD_CONTROLLERS", "1") != "0",
             preemption_grace_seconds=_optional_float(
                 os.environ.get("GPUCLOUD_PREEMPTION_GRACE")),
             max_draining_nodes=int(os.environ.get("GPUCLOUD_MAX_DRAINING_NODES", "1")),
@@ -130,6 +144,7 @@ class Settings:
             serverless_url=os.environ.get("GPUCLOUD_SERVERLESS_URL") or None,
             serverless_long_poll_seconds=min(85.0, float(
                 os.environ.get("GPUCLOUD_SERVERLESS_LONG_POLL", "30"))),
+            log_wait_recheck_seconds=float(os.environ.get("GPUCLOUD_LOG_WAIT_RECHECK", "1")),
             webhook_egress=_webhook_egress(),
         )
 

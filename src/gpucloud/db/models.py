@@ -186,6 +186,13 @@ class PodModel(ContainerSpecColumns, Base):
         ),
         Index("ix_pods_phase_created", "phase", "created_at"),
         Index("ix_pods_node_phase", "node_id", "phase"),
+        # A node's assignments read the pods whose volume disk it keeps (migration 0016).
+        Index("ix_pods_volume_node", "volume_node_id",
+              sqlite_where=text("volume_node_id IS NOT NULL"),
+              postgresql_where=text("volume_node_id IS NOT NULL")),
+        Index("ix_pods_volume_source_node", "volume_source_node_id",
+              sqlite_where=text("volume_source_node_id IS NOT NULL"),
+              postgresql_where=text("volume_source_node_id IS NOT NULL")),
     )
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))

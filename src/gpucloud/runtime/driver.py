@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gpucloud.core.errors import Conflict, InvalidInput, NotFound
+from gpucloud.core.trace import mark
 from gpucloud.gpu.cdi import ContainerEdits
 from gpucloud.runtime import criu, cuda_checkpoint
 from gpucloud.runtime.bundle import Bundle, ContainerSpec, ImageConfig, build_bundle
@@ -238,6 +239,11 @@ class RuncDriver:
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
 
+    def prestart(self) -> None:
+        """Start the supervisor zygote ahead of the first container (agent start)."""
+        if self.zygote is not None:
+            self.zygote.prestart()
+
     def _supervise(self, container_id: str, gated: bool,
                    extra: Sequence[str] = ()) -> ContainerStatus:
         paths = self.paths(container_id)
@@ -247,6 +253,7 @@ class RuncDriver:
             raise Conflict(f"container {container_id} was already started")
         argv = ["--runc", self.runc, "--root", str(self.runc_root),
                 *(["--gated"] if gated else []), *extra, str(paths.root)]
+        mark("driver.supervise")
         try:
             line, stderr = self._start_supervisor(argv)
         except (subprocess.TimeoutExpired, TimeoutError):

@@ -23,6 +23,19 @@ pick the same one. Everything here is idempotent: ``attach`` of an attached cont
 returns its address, ``detach`` of a detached one does nothing, ``start`` reclaims what a
 crashed agent left (addresses, namespaces and veths of containers that are gone) and keeps
 the namespaces of running containers, which keep their addresses.
+
+Spares: making a namespace takes two ``ip`` processes, the slowest step of a cached pod's
+start. ``make_spare`` makes one ahead, under a name no container id can have
+(``~spare-`` + 8 hex digits): its address leased in the IPAM, ``eth0`` with that address
+and the default route, loopback up, and its host veth *down and on no bridge*, so nothing
+reaches it. A claim turns a spare into a container's: ``take_spare`` re-keys its lease to
+the container (the address its bundle names), ``finish_claim`` (on another thread while
+the bundle is written) binds the namespace at the container's name and renames its veth to
+the container's, puts it on the bridge and sets it up: three syscalls and one netlink
+request (runtime/netlink), no ``ip`` process. The
+result is what ``attach`` makes, by the same names, so adoption, ``detach`` and
+``reclaim`` treat it alike; a spare a crashed agent left is no container of ``keep`` and
+is reclaimed like any leak.
 """
 
 from __future__ import annotations
@@ -32,8 +45,10 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
+import threading
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +57,7 @@ from typing import Any
 
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.filelock import file_lock
+from gpucloud.runtime import netlink
 from gpucloud.runtime.errors import RuntimeFailure
 from gpucloud.runtime.layout import read_json, write_json_atomic
 
@@ -59,6 +75,8 @@ DEFAULT_PREFIX = 24
 MIN_PREFIX, MAX_PREFIX = 16, 29
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 COMMAND_TIMEOUT = 30.0
+#: Names of spare namespaces (``make_spare``): container ids begin with a letter or digit.
+SPARE_PREFIX = "~spare-"
 
 
 class NetworkError(RuntimeFailure):
@@ -157,6 +175,9 @@ class BridgeNetwork:
         self.subnet: ipaddress.IPv4Network | None = None
         #: Why pods have no egress (iptables missing or refused); None when they have.
         self.egress_problem: str | None = None
+        #: Spare namespaces made by this object and not claimed yet (``make_spare``).
+        self._spares: list[str] = []
+        self._spares_lock = threading.Lock()
 
     # -- names ----------------------------------------------------------------------
 
@@ -323,32 +344,110 @@ class BridgeNetwork:
         return any(info.get("local") == ip for link in json.loads(shown or "[]")
                    for info in link.get("addr_info", []))
 
-    def _plumb(self, container_id: str, ip: str) -> None:
+    def _plumb(self, container_id: str, ip: str, *, bridged: bool = True) -> None:
         """Two ``ip -batch`` runs (host side, namespace side): each ``ip`` costs a few
-        milliseconds of a pod's start. Leftovers of an earlier try are removed first."""
+        milliseconds of a pod's start. Leftovers of an earlier try are removed first.
+        ``bridged`` False (a spare): the host veth stays down and on no bridge."""
         netns, veth = self.netns_name(container_id), self.veth_name(container_id)
         if self.netns_path(container_id).exists():
             run_ip("netns", "del", netns, check=False)
         if self._link_exists(veth):
             run_ip("link", "del", veth, check=False)
+        host_side = f"link set {veth} master {self.bridge} up\n" if bridged else ""
         run_ip("-batch", "-", stdin=(
             f"netns add {netns}\n"
-            f"link add {veth} type veth peer name eth0 netns {netns}\n"
-            f"link set {veth} master {self.bridge} up\n"))
+            f"link add {veth} type veth peer name eth0 netns {netns}\n" + host_side))
         run_ip("-n", netns, "-batch", "-", stdin=(
             f"addr add {ip}/{self._subnet.prefixlen} dev eth0\n"
             "link set lo up\nlink set eth0 up\n"
             f"route add default via {self.gateway}\n"))
 
+    # -- spares ---------------------------------------------------------------------
+
+    @property
+    def spare_count(self) -> int:
+        with self._spares_lock:
+            return len(self._spares)
+
+    def free_addresses(self) -> int:
+        """How many pod addresses are not leased (spares' included as leased)."""
+        return self._subnet.num_addresses - 3 - len(self._leases())
+
+    def make_spare(self) -> str:
+        """One namespace made ahead of the container that will claim it (see the
+        module); its name. Raises NetworkError (nothing of it left) when it cannot."""
+        spare = SPARE_PREFIX + secrets.token_hex(4)
+        ip = self._allocate(spare)
+        try:
+            self._plumb(spare, ip, bridged=False)
+        except NetworkError:
+            self.detach(spare)
+            raise
+        with self._spares_lock:
+            self._spares.append(spare)
+        return spare
+
+    def claim(self, container_id: str) -> PodAddress | None:
+        """``take_spare`` and ``finish_claim`` at once (None: no spare left)."""
+        taken = self.take_spare(container_id)
+        return None if taken is None else self.finish_claim(taken, container_id)
+
+    def take_spare(self, container_id: str) -> str | None:
+        """A spare's address leased to the container (what its bundle names: ``reserve``
+        returns it from now on); the spare, for ``finish_claim``. None when no spare is
+        left, or its lease is not there (then the spare is removed)."""
+        with self._spares_lock:
+            spare = self._spares.pop(0) if self._spares else None
+        if spare is None:
+            return None
+        with self._ipam() as leases:
+            ip = leases.pop(spare, None)
+            if ip is not None and container_id not in leases:
+                leases[container_id] = ip
+                return spare
+        log.warning("spare namespace %s (or container %s) is not leased as it should be",
+                    spare, container_id)
+        self.detach(spare)
+        return None
+
+    def finish_claim(self, spare: str, container_id: str) -> PodAddress:
+        """Make the taken spare the container's namespace and veth (three syscalls and a
+        netlink request, see the module); one it cannot be made into is removed and the
+        container's made as ``attach`` makes it, at the same address."""
+        try:
+            netlink.rename_netns(self.netns_path(spare), self.netns_path(container_id))
+            netlink.set_link(self.veth_name(spare), new_name=self.veth_name(container_id),
+                             master=self.bridge, up=True)
+        except OSError as error:
+            log.warning("claiming spare namespace %s for %s: %s", spare, container_id, error)
+            self._unplumb(spare)
+            self._unplumb(container_id)
+            return self.attach(container_id)
+        return self.reserve(container_id)
+
+    def drop_spares(self) -> None:
+        """Remove the spares not claimed (the agent stops: a new one makes its own)."""
+        with self._spares_lock:
+            spares, self._spares = self._spares, []
+        for spare in spares:
+            self.detach(spare)
+
     def detach(self, container_id: str) -> None:
         """Remove the container's namespace and veth and free its address (idempotent)."""
-        run_ip("netns", "del", self.netns_name(container_id), check=False)
-        run_ip("link", "del", self.veth_name(container_id), check=False)
+        self._unplumb(container_id)
         with self._ipam() as leases:
             leases.pop(container_id, None)
 
+    def _unplumb(self, container_id: str) -> None:
+        """The container's namespace and veth removed (its address stays leased)."""
+        run_ip("netns", "del", self.netns_name(container_id), check=False)
+        run_ip("link", "del", self.veth_name(container_id), check=False)
+
     def reclaim(self, keep: Collection[str]) -> None:
-        """Detach every container of this agent not in ``keep`` (leaks of a crash)."""
+        """Detach every container of this agent not in ``keep`` (leaks of a crash), and
+        every spare namespace (this object's own too: they are made again)."""
+        with self._spares_lock:
+            self._spares = []
         known = set(self._leases()) | self._namespaced()
         for container_id in sorted(known - set(keep)):
             log.info("reclaiming the network of container %s", container_id)

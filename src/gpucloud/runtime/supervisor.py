@@ -56,6 +56,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from gpucloud.core.trace import mark
 from gpucloud.runtime import cuda_checkpoint
 from gpucloud.runtime.cgroups import memory_cgroup_dir, oom_killed
 from gpucloud.runtime.errors import RuncError
@@ -67,6 +68,9 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 DEFAULT_GRACE_SECONDS = 30.0
 RUNC_TIMEOUT_SECONDS = 120.0
 RELEASE_POLL_SECONDS = 0.05
+#: How long the zygote is idle before it makes the next spare supervisor (``serve``):
+#: one forked while a start is under way would compete with it for the CPU.
+SPARE_IDLE_SECONDS = 0.05
 
 
 class SupervisorError(Exception):
@@ -379,8 +383,10 @@ class Supervisor:
         self.at_once = (not gated and self.restore_from is None
                         and not _has_private_network(self.paths.config))
         launched_at = time.time()
+        mark("supervisor.runc.start", at_once=self.at_once)
         try:
             pid = self._create()
+            mark("supervisor.runc.done")
         except SupervisorError as error:
             self._fail(str(error))
             self._delete()  # whatever runc left of a half-created container
@@ -485,16 +491,28 @@ def serve(sock_fd: int) -> int:
 
     The driver keeps one such process (``--zygote FD``), which has imported this module
     already. A request is one datagram on the socket ``FD`` (a JSON list: the arguments
-    ``main`` takes) with the write end of a pipe attached; the zygote forks, the child
-    forks the supervisor and exits at once (so the supervisor is nobody's child, as with
-    ``main``), and the supervisor writes its status line to the pipe. The zygote is
-    single-threaded, so forking it is safe; it ignores the signals the supervisor ignores
-    (the agent's process group may get them) and exits when the driver's end closes.
+    ``main`` takes) with the write end of a pipe attached; the supervisor writes its status
+    line to the pipe. The zygote is single-threaded, so forking it is safe; it ignores the
+    signals the supervisor ignores (the agent's process group may get them) and exits when
+    the driver's end closes.
+
+    A supervisor is nobody's child, as with ``main``: a fork whose parent exits at once.
+    Once the zygote has been idle for ``SPARE_IDLE_SECONDS`` it makes one such process
+    ahead (``_fork_spare``), which waits for the next request; that request is handed to
+    it, so a start does not wait for two forks and a new process to be scheduled (a burst
+    of starts forks the ones the spare cannot take, as before). The spare exits with the
+    zygote (its socket closes).
     """
     for ignored in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(ignored, signal.SIG_IGN)
     sock = socket.socket(fileno=sock_fd)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    spare: socket.socket | None = None
     while True:
+        if spare is None and not poller.poll(SPARE_IDLE_SECONDS * 1000):
+            spare = _fork_spare(sock)
+            continue
         message, fds, _flags, _address = socket.recv_fds(sock, 65536, 1)
         if not message:
             return 0
@@ -502,12 +520,76 @@ def serve(sock_fd: int) -> int:
             for fd in fds:
                 os.close(fd)
             continue
+        if spare is not None:
+            handed = _hand_over(spare, message, fds[0])
+            spare.close()  # used, or dead: a new one is made when idle
+            spare = None
+            if handed:
+                continue
         try:
             args = _parser().parse_args(json.loads(message))
         except (ValueError, SystemExit):  # argparse exits on bad arguments
             _report_error(fds[0], "error: bad supervisor request")
             continue
         _fork_supervisor(sock, args, fds[0])
+
+
+def _hand_over(spare: socket.socket, message: bytes, report: int) -> bool:
+    """Give a request to the spare supervisor; False (the report pipe still ours) when
+    the spare is gone."""
+    try:
+        socket.send_fds(spare, [message], [report])
+    except OSError:
+        return False
+    os.close(report)  # the spare holds its own copy now
+    return True
+
+
+def _fork_spare(sock: socket.socket) -> socket.socket | None:
+    """A supervisor made ahead: detached like any other (its parent exits at once), it
+    waits on the socket returned for one request (``_spare``). None when it cannot fork
+    (requests are then forked for as before)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        child = os.fork()
+    except OSError:
+        ours.close()
+        theirs.close()
+        return None
+    if child == 0:
+        code = 1
+        try:
+            sock.close()
+            ours.close()
+            if os.fork() == 0:
+                code = _spare(theirs)
+            else:
+                code = 0
+        finally:
+            os._exit(code)  # never back into the zygote's loop
+    theirs.close()
+    os.waitpid(child, 0)
+    return ours
+
+
+def _spare(sock: socket.socket) -> int:
+    """The spare's life: one request (the zygote's, as it came), then that supervisor's;
+    none (the zygote closed the socket: it exits, or the spare was not needed): exit."""
+    try:
+        message, fds, _flags, _address = socket.recv_fds(sock, 65536, 1)
+    except OSError:
+        return 0
+    sock.close()
+    if not message or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        return 0
+    try:
+        args = _parser().parse_args(json.loads(message))
+    except (ValueError, SystemExit):  # argparse exits on bad arguments
+        _report_error(fds[0], "error: bad supervisor request")
+        return 1
+    return _supervise(args, fds[0])
 
 
 def _report_error(report: int, line: str) -> None:

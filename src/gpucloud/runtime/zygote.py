@@ -3,12 +3,14 @@
 Starting a supervisor as ``python -m gpucloud.runtime.supervisor`` costs an interpreter
 start and its imports (40–50 ms here, more under load), paid by every pod start. The
 zygote is one such interpreter, started once per driver and kept: a start is a datagram to
-it and a fork there. What runs is the same supervisor code with the same detachment
+it, handed to the spare supervisor it forked ahead while idle (else forked for then; see
+``supervisor.serve``). What runs is the same supervisor code with the same detachment
 (setsid, not the agent's child), so a container started either way looks the same to the
 driver, to ``status`` and to a restarted agent.
 
 The zygote is the driver's child and ends when the driver's socket closes (the agent
-exits); supervisors it started are not its children and keep running. When it cannot be
+exits), and its unused spare with it; supervisors it started are not its children and
+keep running. When it cannot be
 reached (it died), the request goes to a new one, once.
 """
 
@@ -53,6 +55,20 @@ class Zygote:
             return _read_line(read_end, timeout)
         finally:
             os.close(read_end)
+
+    def prestart(self) -> None:
+        """Start the zygote now, in the background, so that the first container start (a
+        cold node's first pod) does not wait for its interpreter and imports. A start
+        asked meanwhile waits for it (the lock); a failure here is left to that start."""
+        def spawn() -> None:
+            with self._lock:
+                if self._sock is None:
+                    try:
+                        self._spawn()
+                    except ZygoteUnavailable:
+                        pass
+
+        threading.Thread(target=spawn, name="zygote-prestart", daemon=True).start()
 
     def close(self) -> None:
         with self._lock:

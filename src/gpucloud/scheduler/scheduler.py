@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from gpucloud.scheduler.framework.cluster import Allocation, ClusterState
@@ -38,7 +38,7 @@ class Scheduler:
     def __init__(self, profile: str = "default", *,
                  config: Mapping[str, Mapping[str, Any]] | None = None,
                  workload: Sequence[PodRequest] | None = None, seed: int = 0,
-                 registry: Registry | None = None) -> None:
+                 registry: Registry | None = None, shape_tables: bool = True) -> None:
         configs = profile_configs(config)
         if profile not in configs:
             known = ", ".join(sorted(configs))
@@ -48,6 +48,8 @@ class Scheduler:
         self._registry = registry or default_registry()
         self._workload = list(workload) if workload is not None else None
         self._seed = seed
+        #: False: every plugin runs on every pod's candidates (framework/tables.py).
+        self._shape_tables = shape_tables
         self._registry.build(self._config, {"workload": ()})  # fail fast on bad plugin names
         #: The last snapshots and the states built from them (never committed to): the
         #: next ``schedule`` reloads only the nodes that are new objects
@@ -58,14 +60,20 @@ class Scheduler:
     def framework(self, state: ClusterState, workload: Sequence[PodRequest]) -> Framework:
         """A framework running this profile on ``state`` (used by the simulator too)."""
         profile = self._registry.build(self._config, {"workload": workload})
-        return Framework(profile, state, self._seed)
+        return Framework(profile, state, self._seed, self._shape_tables)
 
     def schedule(self, nodes: Sequence[NodeState], pods: Sequence[PodRequest]) -> list[Decision]:
+        return list(self.decisions(nodes, pods))
+
+    def decisions(self, nodes: Sequence[NodeState], pods: Sequence[PodRequest],
+                  ) -> Iterator[Decision]:
+        """``schedule``'s decisions one at a time, as they are made: a caller may act on
+        the first ones (bind them) while the later ones are still to be decided."""
         state = self.cluster_state(nodes)
         workload = self._workload if self._workload is not None else pods
         framework = self.framework(state, workload)
-        return [_decision(pod, framework.schedule(pod), state) for pod in pods]
-
+        for pod in pods:
+            yield _decision(pod, framework.schedule(pod), state)
 
     def cluster_state(self, nodes: Sequence[NodeState]) -> ClusterState:
         """A fresh working state for ``nodes``, reusing the rows of the last one built for

@@ -8,25 +8,35 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import and_, bindparam, select
+from sqlalchemy.orm import Session, aliased
 
+from gpucloud.core.access import NetworkVolumeMount
 from gpucloud.core.errors import Conflict, NotFound
 from gpucloud.core.models import (
     AgentLogChunkRequest,
     AgentPodStatusRequest,
     AssignmentOut,
     AssignmentsOut,
+    VolumeSource,
 )
 from gpucloud.core.phases import (
     ACTIVE_PHASE_VALUES,
     ACTIVE_PHASES,
+    RESTARTING,
     TERMINAL_PHASES,
     PodPhase,
     RestartPolicy,
     should_restart,
 )
-from gpucloud.db.models import JobModel, NodeModel, PodLogChunkModel, PodModel, ProjectModel
+from gpucloud.db.models import (
+    JobModel,
+    NodeModel,
+    PodLogChunkModel,
+    PodModel,
+    ProjectModel,
+    RegistryAuthModel,
+)
 from gpucloud.services import (
     checkpoint_index,
     gpu_maintenance,
@@ -38,10 +48,10 @@ from gpucloud.services import (
 )
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import record_event, transition
-from gpucloud.services.fencing import check_fencing
-from gpucloud.services.pods import bump_assignments, requeue
+from gpucloud.services.fencing import check_fencing, check_token
+from gpucloud.services.pods import bump_assignments, complete_restart, requeue
 from gpucloud.services.scheduling import retry_unschedulable
-from gpucloud.services.spec import pull_credentials
+from gpucloud.services.spec import credentials_for
 from gpucloud.services.ssh_keys import public_keys
 
 #: Stops the server decided: the pod keeps this reason, not the agent's "Stopped".
@@ -54,54 +64,91 @@ def assignments_revision(ctx: ServiceContext, node_id: str) -> int:
 
 
 def assignments(ctx: ServiceContext, node_id: str) -> AssignmentsOut:
-    """The pods the node must run (or stop): live pods bound to it in an active phase."""
+    """The pods the node must run (or stop): live pods bound to it in an active phase.
+
+    Every bind builds one (issue 16), so its cost is bounded whatever the node runs: the
+    node; its active pods, each with what it joins to (project, job barrier, registry
+    login, a migration's source node); the volume disks it keeps or exports; its
+    projects' SSH keys when it runs pods; and, only when some pod needs them, network
+    volumes, checkpoints and gang sizes, each read once for all the pods. No query per
+    pod."""
     with ctx.db.read() as session:
-        node = session.get_one(NodeModel, node_id)
-        rows = session.execute(
-            select(PodModel, ProjectModel.name, JobModel.barrier_released_at)
-            .join(ProjectModel, ProjectModel.id == PodModel.project_id)
-            .outerjoin(JobModel, JobModel.id == PodModel.job_id)
-            .where(PodModel.node_id == node_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES),
-                   PodModel.deleted_at.is_(None))
-            .order_by(PodModel.created_at)
-        ).all()
-        keys = public_keys(session, {pod.project_id for pod, _, _ in rows})
-        pods = [_with_public_key(_assignment(pod, project, released is not None),
-                                 keys.get(pod.project_id))
-                for pod, project, released in rows]
-        for (pod, _, _), assignment in zip(rows, pods, strict=True):
-            _add_volumes(ctx, session, node, pod, assignment)
-            _add_pull_credentials(session, pod, assignment)
-            checkpoint_index.add_to_assignment(session, pod, assignment)
-            interval.add_to_assignment(ctx, session, pod, assignment)
-            assignment.mig_policy = mig.mig_policy(node)
+        node = session.execute(_NODE, {"node_id": node_id}).scalar_one()
+        bound = _bound_rows(session, node_id)
+        live = [row for row in bound if row[0].deleted_at is None]
+        volume_pods, exports = migration.node_volumes(session, node_id)
+        # The GPUs held: every active pod's, a deleted one's too until it has stopped.
+        busy = gpu_maintenance.holders((row[0].name, row[0].gpu_milli) for row in bound)
         return AssignmentsOut(revision=node.assignments_revision,
-                              fencing_token=node.fencing_token, pods=pods,
-                              volume_pods=_volume_pods(session, node_id),
-                              volume_exports=migration.exports(session, node_id),
-                              gpu_actions=gpu_maintenance.pending(
-                                  node, gpu_maintenance.busy_gpus(session, node_id)))
+                              fencing_token=node.fencing_token,
+                              pods=_assignments_of(ctx, session, node, live),
+                              volume_pods=volume_pods, volume_exports=exports,
+                              gpu_actions=gpu_maintenance.pending(node, busy))
 
 
-def _add_volumes(ctx: ServiceContext, session: Session, node: NodeModel, pod: PodModel,
-                 assignment: AssignmentOut) -> None:
+#: A bound pod with what its assignment joins to: the project's name, the barrier's
+#: release, the registry login's host, username and password, the volume source node's
+#: name, access endpoint and host key (columns, not rows: each column read costs).
+_BoundRow = tuple[PodModel, str, datetime | None, str | None, str | None, str | None,
+                  str | None, str | None, str | None]
+
+
+_NODE = select(NodeModel).where(NodeModel.id == bindparam("node_id"))
+#: The node's pods in an active phase (deleted ones too: they hold GPUs until they stop),
+#: oldest first, with the project's name, the job's barrier release, the registry login
+#: the pod names and the source node of its volume migration. Built once: every bind
+#: runs it, and building a statement (an alias above all) costs more than running it.
+_VOLUME_SOURCE = aliased(NodeModel, name="volume_source")
+_BOUND = (
+    select(PodModel, ProjectModel.name, JobModel.barrier_released_at,
+           RegistryAuthModel.registry_host, RegistryAuthModel.username,
+           RegistryAuthModel.password, _VOLUME_SOURCE.name, _VOLUME_SOURCE.access_endpoint,
+           _VOLUME_SOURCE.access_host_key)
+    .join(ProjectModel, ProjectModel.id == PodModel.project_id)
+    .outerjoin(JobModel, JobModel.id == PodModel.job_id)
+    .outerjoin(RegistryAuthModel, and_(RegistryAuthModel.project_id == PodModel.project_id,
+                                       RegistryAuthModel.name == PodModel.registry_auth))
+    .outerjoin(_VOLUME_SOURCE, _VOLUME_SOURCE.id == PodModel.volume_source_node_id)
+    .where(PodModel.node_id == bindparam("node_id"),
+           PodModel.phase.in_(ACTIVE_PHASE_VALUES))
+    .order_by(PodModel.created_at))
+
+
+def _bound_rows(session: Session, node_id: str) -> list[_BoundRow]:
+    return list(session.execute(_BOUND, {"node_id": node_id}))
+
+
+def _assignments_of(ctx: ServiceContext, session: Session, node: NodeModel,
+                    rows: list[_BoundRow]) -> list[AssignmentOut]:
+    pods = [row[0] for row in rows]
+    keys = public_keys(session, {pod.project_id for pod in pods})
+    mounts = volumes.mounts_for_pods(ctx, session, pods, node.volume_mode)
+    checkpoints = checkpoint_index.read_for(session, pods)
+    plans = interval.plans_for(ctx, session, node, pods, checkpoints)
+    out = []
+    for pod, project, released, registry, username, password, *source in rows:
+        assignment = _with_public_key(_assignment(pod, project, released is not None),
+                                      keys.get(pod.project_id))
+        _add_volumes(pod, assignment, migration.volume_source(pod, node, *source),
+                     mounts.get(pod.id, []))
+        credentials = credentials_for(pod, registry, username, password)
+        if credentials is not None:
+            assignment.registry_username, assignment.registry_password = credentials
+        checkpoint_index.add_to_assignment(pod, assignment, checkpoints)
+        interval.add_to_assignment(pod, assignment, plans.get(pod.id))
+        assignment.mig_policy = mig.mig_policy(node)
+        out.append(assignment)
+    return out
+
+
+def _add_volumes(pod: PodModel, assignment: AssignmentOut, source: VolumeSource | None,
+                 network_volumes: list[NetworkVolumeMount]) -> None:
     """The pod's volume disk, container disk and network volumes, as this node mounts them."""
     assignment.volume_bytes = pod.volume_bytes
     assignment.volume_path = pod.volume_path
     assignment.container_disk_bytes = pod.container_disk_bytes
-    assignment.volume_source = migration.volume_source(session, pod, node)
-    assignment.network_volumes = volumes.mounts_for_node(
-        ctx, session, pod.project_id, pod.network_volumes, node.volume_mode)
-
-
-def _volume_pods(session: Session, node_id: str) -> list[str]:
-    """Live pods whose volume disk lives on this node: the agent keeps only their dirs."""
-    return list(session.scalars(
-        select(PodModel.id).where(
-            PodModel.deleted_at.is_(None), PodModel.volume_bytes.is_not(None),
-            or_(PodModel.volume_node_id == node_id, PodModel.node_id == node_id,
-                PodModel.volume_source_node_id == node_id))
-        .order_by(PodModel.id)))
+    assignment.volume_source = source
+    assignment.network_volumes = network_volumes
 
 
 def _with_public_key(assignment: AssignmentOut, keys: str | None) -> AssignmentOut:
@@ -111,20 +158,14 @@ def _with_public_key(assignment: AssignmentOut, keys: str | None) -> AssignmentO
     return assignment
 
 
-def _add_pull_credentials(session: Session, pod: PodModel, assignment: AssignmentOut) -> None:
-    """The registry login the pod's image is pulled with, when it names one (for its
-    image's registry only)."""
-    credentials = pull_credentials(session, pod, pod.project_id)
-    if credentials is not None:
-        assignment.registry_username, assignment.registry_password = credentials
-
-
 def _assignment(pod: PodModel, project: str, barrier_released: bool) -> AssignmentOut:
     """A job's members share the host network and wait at the start barrier."""
     member = pod.job_id is not None
     return AssignmentOut(
         pod_id=pod.id, name=pod.name, project=project, attempt=pod.attempt,
-        desired_state=pod.desired_state, phase=PodPhase(pod.phase), image=pod.image,
+        # A restart in place is, to the agent, a stop: the server starts the pod again.
+        desired_state="stopped" if pod.desired_state == RESTARTING else pod.desired_state,
+        phase=PodPhase(pod.phase), image=pod.image,
         command=pod.command, env=pod.env, ports=pod.ports, cpu_milli=pod.cpu_milli,
         memory_bytes=pod.memory_bytes, gpu_uuids=pod.gpu_uuids,
         gpu_milli=round(pod.gpus * 1000) if 0 < pod.gpus < 1 else 0,
@@ -135,13 +176,22 @@ def _assignment(pod: PodModel, project: str, barrier_released: bool) -> Assignme
     )
 
 
-def _bound_pod(session: Session, node: NodeModel, pod_id: str) -> PodModel:
+def _bound_pod(session: Session, node_id: str, pod_id: str) -> PodModel:
     pod = session.get(PodModel, pod_id)
     if pod is None:
         raise NotFound(f"pod {pod_id!r} not found")
-    if pod.node_id != node.id:
-        raise Conflict(f"pod {pod_id!r} is not bound to node {node.name!r}")
+    if pod.node_id != node_id:
+        name = session.get_one(NodeModel, node_id).name
+        raise Conflict(f"pod {pod_id!r} is not bound to node {name!r}")
     return pod
+
+
+#: A report's first statement: the node's fencing token, its row locked until the report
+#: commits (a new grant, or any change to the node's assignments, waits for it, and the
+#: pod is read after it). One narrow column: every pod report runs it, and loading the
+#: node's wide row (its GPUs, labels, capacity) into the ORM cost more than the query.
+_LOCKED_TOKEN = (select(NodeModel.fencing_token).where(NodeModel.id == bindparam("node_id"))
+                 .with_for_update())
 
 
 def report_status(ctx: ServiceContext, node_id: str, pod_id: str,
@@ -149,9 +199,9 @@ def report_status(ctx: ServiceContext, node_id: str, pod_id: str,
     """Apply an agent's report of a pod's phase; returns the pod's phase afterwards."""
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
-        node = session.get_one(NodeModel, node_id, with_for_update=True)
-        check_fencing(node, report.fencing_token)
-        pod = _bound_pod(session, node, pod_id)
+        check_token(session.execute(_LOCKED_TOKEN, {"node_id": node_id}).scalar_one(),
+                    report.fencing_token)
+        pod = _bound_pod(session, node_id, pod_id)
         if report.attempt is not None and report.attempt != pod.attempt:
             raise Conflict(f"report for attempt {report.attempt}; the pod is on {pod.attempt}")
         current = PodPhase(pod.phase)
@@ -159,7 +209,7 @@ def report_status(ctx: ServiceContext, node_id: str, pod_id: str,
             return current  # a duplicate or a late report of a step already taken
         if report.phase is not current and current not in ACTIVE_PHASES:
             raise Conflict(f"pod {pod.name!r} is {current}; the agent's report is too late")
-        _apply_details(session, node, pod, report, now)
+        _apply_details(session, node_id, pod, report, now)
         if report.phase is current:
             _update_reason(session, pod, report, now)
             return current
@@ -185,7 +235,7 @@ def _already_applied(current: PodPhase, reported: PodPhase) -> bool:
             and _FORWARD.index(reported) < _FORWARD.index(current))
 
 
-def _apply_details(session: Session, node: NodeModel, pod: PodModel,
+def _apply_details(session: Session, node_id: str, pod: PodModel,
                    report: AgentPodStatusRequest, now: datetime) -> None:
     """What a report carries besides its phase: log tail, address, volume migration, MIG
     device."""
@@ -193,8 +243,9 @@ def _apply_details(session: Session, node: NodeModel, pod: PodModel,
         pod.log_tail = report.log_tail
     if report.network is not None:
         pod.network = report.network.model_dump()
-    if report.volume_migration is not None:
-        migration.apply_report(session, pod, node, report.volume_migration, now)
+    if report.volume_migration is not None:  # the node's row is locked already
+        migration.apply_report(session, pod, session.get_one(NodeModel, node_id),
+                               report.volume_migration, now)
     mig.record_device(pod, report.phase, report.mig_device)
 
 
@@ -223,7 +274,7 @@ def _apply_phase(ctx: ServiceContext, session: Session, pod: PodModel,
         node_id = pod.node_id
         if spot.requeue_after_stop(ctx, session, pod, now):
             bump_assignments(session, node_id)
-        else:
+        elif not complete_restart(session, pod, now):
             _maybe_restart(ctx, session, pod, target, now)
 
 
@@ -262,7 +313,7 @@ def append_log(ctx: ServiceContext, node_id: str, pod_id: str,
     with ctx.db.transaction() as session:
         node = session.get_one(NodeModel, node_id)
         check_fencing(node, chunk.fencing_token)
-        pod = _bound_pod(session, node, pod_id)
+        pod = _bound_pod(session, node.id, pod_id)
         if chunk.attempt is not None and chunk.attempt != pod.attempt:
             raise Conflict(f"log of attempt {chunk.attempt}; the pod is on {pod.attempt}")
         end = _log_end(session, pod)

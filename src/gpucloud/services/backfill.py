@@ -82,21 +82,28 @@ class GangReservation:
         return f"nodes {nodes} reserved for it {self.when()}"
 
 
+#: The blocked head-of-queue gang (built once: every scheduling pass looks).
+_HEAD = (select(JobModel)
+         .where(JobModel.gang_state == "queued", JobModel.reason == "Unschedulable",
+                JobModel.desired_state == "running", JobModel.deleted_at.is_(None),
+                JobModel.gpus_per_node > 0)
+         .order_by(JobModel.priority.desc(), JobModel.created_at, JobModel.id).limit(1))
+
+
 def head_reservation(ctx: ServiceContext, nodes: Sequence[NodeState]) -> GangReservation | None:
     """The reservation of the blocked head-of-queue gang, if there is one."""
-    now = ctx.clock.now()
     with ctx.db.read() as session:
-        head = session.scalars(
-            select(JobModel)
-            .where(JobModel.gang_state == "queued", JobModel.reason == "Unschedulable",
-                   JobModel.desired_state == "running", JobModel.deleted_at.is_(None),
-                   JobModel.gpus_per_node > 0)
-            .order_by(JobModel.priority.desc(), JobModel.created_at, JobModel.id).limit(1)
-        ).first()
-        if head is None:
-            return None
-        foreign = _foreign_gpus(nodes, head.gpu_type)
-        running = _holdings(session, now, foreign)
+        return head_reservation_in(session, ctx.clock.now(), nodes)
+
+
+def head_reservation_in(session: Session, now: datetime,
+                        nodes: Sequence[NodeState]) -> GangReservation | None:
+    """``head_reservation`` read in ``session`` (a scheduling pass's snapshot read)."""
+    head = session.scalars(_HEAD).first()
+    if head is None:
+        return None
+    foreign = _foreign_gpus(nodes, head.gpu_type)
+    running = _holdings(session, now, foreign)
     need = GangNeed(head.num_nodes, head.gpus_per_node, head.cpu_milli, head.memory_bytes)
     domains = _domains(nodes, _capacity(nodes, foreign), Topology(head.topology))
     planned = _earliest(now.timestamp(), domains, running, need)
@@ -165,7 +172,7 @@ _Claim = Row[str, str | None, dict[str, int] | None, int, int, datetime | None, 
 
 def _claims(session: Session, now: datetime) -> list[_Claim]:
     """Active pods where they are bound, and live preemption reservations where they are
-    held (as ``scheduling._usage`` counts them)."""
+    held (as ``scheduling._held`` counts them)."""
     bound = session.execute(
         select(PodModel.id, PodModel.node_id, PodModel.gpu_milli, PodModel.cpu_milli,
                PodModel.memory_bytes, PodModel.started_at, PodModel.max_duration_seconds)

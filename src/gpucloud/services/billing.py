@@ -96,8 +96,8 @@ def usage(ctx: ServiceContext, caller: Principal, project: str | None, since: da
 def _pod_names(session: Session, ids: set[str]) -> dict[str, str]:
     if not ids:
         return {}
-    return dict(session.execute(
-        select(PodModel.id, PodModel.name).where(PodModel.id.in_(ids))).tuples().all())
+    rows = session.execute(select(PodModel.id, PodModel.name).where(PodModel.id.in_(ids)))
+    return {pod_id: name for pod_id, name in rows}
 
 
 def _group_key(piece: Piece[PodRun], by: UsageBy) -> str:

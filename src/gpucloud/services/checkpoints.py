@@ -60,6 +60,7 @@ from gpucloud.services.checkpoint_index import (
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event
 from gpucloud.services.fencing import check_fencing
+from gpucloud.services.pods import bump_assignments
 from gpucloud.services.projects import Principal
 
 #: Partial uploads and multipart uploads older than this are dropped by the collector.
@@ -271,6 +272,9 @@ def _record(ctx: ServiceContext, node_id: str, pod_id: str, request: CheckpointC
                      f"{row.bytes_sent} sent, {cost:.2f}s")
         session.flush()
         dropped = _prune_rows(session, pod.project_id, row.key, ctx.settings.checkpoint_retention)
+        # Its interval is re-planned on this cost and its restore target moved: the agent
+        # sees both on its next poll, not the answer kept for its revision.
+        bump_assignments(session, pod.node_id)
     return row, dropped
 
 

@@ -31,6 +31,8 @@ class TtlCache:
         self._lock = threading.Lock()
         #: Tells the other replicas to clear theirs (services/notify.py, on PostgreSQL).
         self.publisher: Callable[[], None] | None = None
+        #: Tells the other replicas to forget one key (``forget``; services/notify.py).
+        self.key_publisher: Callable[[str], None] | None = None
 
     def get(self, key: str) -> object | None:
         with self._lock:
@@ -55,6 +57,18 @@ class TtlCache:
     def clear_local(self) -> None:
         with self._lock:
             self._entries.clear()
+
+    def forget(self, key: str) -> None:
+        """Forget ``key`` here and, as a hint, on the other replicas: what one entry
+        stood for changed (a node's replaced token), and everything else stays cached."""
+        self.forget_local(key)
+        publisher = self.key_publisher
+        if publisher is not None:
+            publisher(key)
+
+    def forget_local(self, key: str) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from gpucloud.services import gangs, spot
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import transition
 from gpucloud.services.nodes import _allocated_gpus, _find_node, node_out
-from gpucloud.services.pods import bump_assignments, requeue
+from gpucloud.services.pods import bump_assignments, complete_restart, requeue
 from gpucloud.services.projects import Principal
 from gpucloud.services.scheduling import retry_unschedulable
 
@@ -213,7 +213,8 @@ def _stop_what_is_left(ctx: ServiceContext, node_id: str, name: str) -> None:
             transition(session, pod, PodPhase.STOPPED, now, spot.PREEMPTED,
                        f"node {name}: {DEADLINE_PASSED}")
             pod.finished_at = now
-            if pod.job_id is None and pod.deleted_at is None and wanted:
+            if pod.job_id is None and pod.deleted_at is None and (
+                    not complete_restart(session, pod, now) and wanted):
                 requeue(session, pod, now, "Requeued", f"node {name} was drained")
                 spot.avoid(ctx, pod, node_id, now)
         if left:

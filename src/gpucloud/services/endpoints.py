@@ -220,7 +220,7 @@ def worker_env(ctx: ServiceContext, endpoint: HasEndpointId, pod_id: str,
             raise NotFound(f"endpoint {endpoint.id!r} not found")
         secret = new_secret(KEY_PREFIX)
         session.add(ApiKeyModel(
-            id=new_id(), project_id=row.project_id, name=(WORKER_KEY_PREFIX + pod_id)[:63],
+            id=new_id(), project_id=row.project_id, name=_worker_key_name(pod_id),
             prefix=secret[:10], key_hash=hash_secret(secret), created_at=ctx.clock.now(),
             revoked_at=None, scope=worker_scope(row.id)))
     root = f"{base_url.rstrip('/')}/v2/_worker/{endpoint.id}"
@@ -236,6 +236,10 @@ def worker_env(ctx: ServiceContext, endpoint: HasEndpointId, pod_id: str,
     }
 
 
+def _worker_key_name(pod_id: str) -> str:
+    return (WORKER_KEY_PREFIX + pod_id)[:63]
+
+
 def worker_scope(endpoint_id: str) -> str:
     """The scope of an endpoint's worker keys: its worker routes, nothing else."""
     return f"worker:{endpoint_id}"
@@ -246,7 +250,7 @@ def revoke_worker_key(ctx: ServiceContext, endpoint_id: str, pod_id: str) -> Non
     with ctx.db.transaction() as session:
         session.execute(update(ApiKeyModel).where(
             ApiKeyModel.scope == worker_scope(endpoint_id),
-            ApiKeyModel.name == (WORKER_KEY_PREFIX + pod_id)[:63],
+            ApiKeyModel.name == _worker_key_name(pod_id),
             ApiKeyModel.revoked_at.is_(None)).values(revoked_at=ctx.clock.now()))
     ctx.cache.clear()
 
@@ -256,7 +260,14 @@ def authenticate_worker(ctx: ServiceContext, key: str | None, endpoint_id: str,
     """The worker pod's id for a worker route: the key must be a live worker key of this
     endpoint, and ``worker_ref`` a worker pod of it (a live one by id or name, or a
     deleted one by id: ``take`` gives it nothing, so its polls get 204, not errors that
-    the SDK would retry at once)."""
+    the SDK would retry at once).
+
+    A deleted worker's key is revoked with its pod, yet its container polls on until its
+    agent stops it: that key still names the deleted pod it was made for (by id), and is
+    answered as that pod's, not refused. Refused, the SDK would retry each poll at once,
+    and every refusal would count against the caller's address, which the agent and the
+    node's other workers share (host network): its failure bucket empty, the agent's
+    lease renewals were refused too and the node went Lost."""
     if not key:
         raise Unauthorized("missing worker key (send 'Authorization: KEY')")
     cache_key = f"sls:{hash_secret(key)}:{endpoint_id}:{worker_ref}"
@@ -264,16 +275,25 @@ def authenticate_worker(ctx: ServiceContext, key: str | None, endpoint_id: str,
     if isinstance(cached, str):
         return cached
     with ctx.db.read() as session:
-        project_id = session.scalar(select(ApiKeyModel.project_id).join(
+        found = session.execute(select(ApiKeyModel.project_id, ApiKeyModel.name,
+                                       ApiKeyModel.revoked_at).join(
             ProjectModel, ProjectModel.id == ApiKeyModel.project_id).where(
-            ApiKeyModel.key_hash == hash_secret(key), ApiKeyModel.revoked_at.is_(None),
-            ApiKeyModel.scope == worker_scope(endpoint_id)))
-        if project_id is None:
+            ApiKeyModel.key_hash == hash_secret(key),
+            ApiKeyModel.scope == worker_scope(endpoint_id))).first()
+        if found is None:
             raise Unauthorized("invalid or revoked worker key for this endpoint")
-        pod_id = session.scalar(select(PodModel.id).where(
-            PodModel.endpoint_id == endpoint_id, PodModel.project_id == project_id,
-            PodModel.deleted_at.is_(None),
-            (PodModel.id == worker_ref) | (PodModel.name == worker_ref)))
+        project_id, key_name, revoked_at = found
+        if revoked_at is not None:
+            pod_id = session.scalar(select(PodModel.id).where(
+                PodModel.endpoint_id == endpoint_id, PodModel.project_id == project_id,
+                PodModel.id == worker_ref, PodModel.deleted_at.is_not(None)))
+            if pod_id is None or key_name != _worker_key_name(pod_id):
+                raise Unauthorized("invalid or revoked worker key for this endpoint")
+        else:
+            pod_id = session.scalar(select(PodModel.id).where(
+                PodModel.endpoint_id == endpoint_id, PodModel.project_id == project_id,
+                PodModel.deleted_at.is_(None),
+                (PodModel.id == worker_ref) | (PodModel.name == worker_ref)))
         if pod_id is None:  # a worker being stopped polls on until its agent stops it:
             pod_id = session.scalar(select(PodModel.id).where(  # it gets 204s, no jobs
                 PodModel.endpoint_id == endpoint_id, PodModel.id == worker_ref))

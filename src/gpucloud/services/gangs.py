@@ -102,15 +102,20 @@ def lease_queued(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedJob]]
     """Take a lock on up to ``limit`` queued jobs whose back-off is over, oldest first."""
     now = ctx.clock.now()
     token = new_id()
+    queued = (
+        select(JobModel.id)
+        .where(JobModel.gang_state == QUEUED, JobModel.deleted_at.is_(None),
+               JobModel.desired_state == "running",
+               or_(JobModel.not_before.is_(None), JobModel.not_before <= now),
+               or_(JobModel.lock_expires_at.is_(None), JobModel.lock_expires_at <= now))
+        .order_by(JobModel.priority.desc(), JobModel.created_at, JobModel.id).limit(limit))
+    # Most passes find no job: a read says so without the write transaction (SQLite's
+    # write lock, the leader's fence) that taking the locks needs.
+    with ctx.db.read() as session:
+        if session.scalar(queued) is None:
+            return token, []
     with ctx.db.transaction() as session:
-        ids = session.scalars(
-            select(JobModel.id)
-            .where(JobModel.gang_state == QUEUED, JobModel.deleted_at.is_(None),
-                   JobModel.desired_state == "running",
-                   or_(JobModel.not_before.is_(None), JobModel.not_before <= now),
-                   or_(JobModel.lock_expires_at.is_(None), JobModel.lock_expires_at <= now))
-            .order_by(JobModel.priority.desc(), JobModel.created_at, JobModel.id).limit(limit)
-        ).all()
+        ids = session.scalars(queued).all()
         if not ids:
             return token, []
         session.execute(
@@ -382,9 +387,23 @@ def report_ready(ctx: ServiceContext, node_id: str, pod_id: str,
 # -- reconcile ------------------------------------------------------------------------------
 
 
+#: Whether any job is queued or has bound members: the job pass's two looks (``reconcile``,
+#: ``lease_queued``) find nothing to do otherwise. Built once: most clouds run pods, not
+#: jobs, and every pass (each pod's create wakes one) asks.
+_ANY_WORK = select(JobModel.id).where(
+    JobModel.gang_state.in_([QUEUED, STARTING, RUNNING, STOPPING])).limit(1)
+
+
+def has_work(ctx: ServiceContext) -> bool:
+    """Whether ``reconcile`` or ``run_pass`` may have something to do (one read)."""
+    with ctx.db.read() as session:
+        return session.scalar(_ANY_WORK) is not None
+
+
 def reconcile(ctx: ServiceContext) -> list[str]:
-    """One look at every job with bound members; returns the ids of those it changed."""
-    with ctx.db.transaction() as session:
+    """One look at every job with bound members; returns the ids of those it changed.
+    The ids are only read (no write lock, no fence); each job is locked on its own."""
+    with ctx.db.read() as session:
         ids = session.scalars(
             select(JobModel.id).where(JobModel.gang_state.in_([STARTING, RUNNING, STOPPING]))
             .order_by(JobModel.created_at)

@@ -20,6 +20,7 @@ follows, and the GPU is back in scheduling.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -98,10 +99,14 @@ def blocks_scheduling(entry: dict[str, Any]) -> bool:
 def busy_gpus(session: Session, node_id: str) -> dict[int, list[str]]:
     """Names of the active pods holding each GPU index of the node (MIG pods included:
     their ``gpu_milli`` names their GPU)."""
+    return holders(session.execute(select(PodModel.name, PodModel.gpu_milli).where(
+        PodModel.node_id == node_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES))))
+
+
+def holders(pods: Iterable[tuple[str, dict[str, int] | None]]) -> dict[int, list[str]]:
+    """``busy_gpus`` from the (name, gpu_milli) of the node's active pods, already read."""
     held: dict[int, list[str]] = {}
-    for name, gpu_milli in session.execute(
-            select(PodModel.name, PodModel.gpu_milli).where(
-                PodModel.node_id == node_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES))):
+    for name, gpu_milli in pods:
         for index in gpu_milli or {}:
             held.setdefault(int(index), []).append(name)
     return held

@@ -5,6 +5,7 @@ node reports them (MIG mode, and under a fixed policy the node's own layout)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import select
@@ -25,11 +26,18 @@ def share_memory_held(session: Session) -> dict[str, dict[int, int]]:
         .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None),
                PodModel.gpu_memory_bytes.is_not(None), PodModel.mig_profile.is_(None))
     ).all()
+    return share_memory_of(rows)
+
+
+def share_memory_of(rows: Iterable[tuple[str | None, Iterable[str] | None, int | None]]
+                    ) -> dict[str, dict[int, int]]:
+    """``share_memory_held`` of rows already read: (node id, GPU indexes, memory limit) of
+    the active shares (a scheduling pass reads all its pods' holdings at once)."""
     held: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    for node_id, gpu_milli, memory in rows:
+    for node_id, indexes, memory in rows:
         if node_id is None or not memory:
             continue
-        for index in gpu_milli or {}:
+        for index in indexes or ():
             held[node_id][int(index)] += -(-int(memory) // MiB)  # whole MiB, rounded up
     return held
 

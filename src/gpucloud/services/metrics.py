@@ -33,11 +33,11 @@ from prometheus_client.registry import REGISTRY, Collector
 from sqlalchemy import func, select
 
 from gpucloud.core.phases import NodeStatus, PodPhase
+from gpucloud.core.settings import MULTIPROC_ENV
 from gpucloud.db.models import NodeModel, PodModel
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.nodes import display_status
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: Label of requests that matched no route (so scanners cannot blow up the series count).
 UNMATCHED = "<unmatched>"

@@ -10,7 +10,9 @@ instance exactly there (dynamic mode) or uses the one it has there (fixed mode).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -32,26 +34,45 @@ MIG_POLICY_LABEL = FILTER_LABEL
 
 @dataclass(frozen=True)
 class MigHeld:
-    """A MIG instance an active pod (or a bound one) holds: GPU index, profile, start."""
+    """A MIG instance an active pod (or a bound one) holds: GPU index, profile, start;
+    ``reserved``: held by a preemption's reservation for a pending pod instead."""
 
     gpu_index: int
     profile: str
     slot: int
+    reserved: bool = False
 
 
-def mig_held(session: Session) -> dict[str, list[MigHeld]]:
-    """The MIG instances of active pods, by node id."""
-    rows = session.execute(
+def mig_held(session: Session, now: datetime) -> dict[str, list[MigHeld]]:
+    """The MIG instances of active pods, and the slots live preemption reservations hold
+    for pending MIG pods (services/preemption), by node id: a reserved slot is taken for
+    everyone else while its preemptor waits for the victims to leave, as a reservation's
+    GPU share is in the usage (``scheduling._held``)."""
+    active = session.execute(
         select(PodModel.node_id, PodModel.gpu_milli, PodModel.mig_profile, PodModel.mig_slot)
         .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None),
                PodModel.mig_profile.is_not(None), PodModel.mig_slot.is_not(None))
     ).all()
+    reserved = session.execute(
+        select(PodModel.nominated_node_id, PodModel.nominated_gpu_milli,
+               PodModel.mig_profile, PodModel.mig_slot)
+        .where(PodModel.phase == PodPhase.PENDING.value,
+               PodModel.nominated_node_id.is_not(None), PodModel.nominated_until > now,
+               PodModel.mig_profile.is_not(None), PodModel.mig_slot.is_not(None))
+    ).all()
+    return held_of([(*row, False) for row in active] + [(*row, True) for row in reserved])
+
+
+def held_of(rows: Iterable[tuple[str | None, Iterable[str] | None, str | None, int | None,
+                                 bool]]) -> dict[str, list[MigHeld]]:
+    """``mig_held`` of rows already read: (node id, its GPU indexes, MIG profile, slot,
+    whether it is a reservation) (a scheduling pass reads all its pods' holdings at once)."""
     held: dict[str, list[MigHeld]] = defaultdict(list)
-    for node_id, gpu_milli, profile, slot in rows:
+    for node_id, indexes, profile, slot, is_reserved in rows:
         if node_id is None or profile is None or slot is None:
             continue
-        for index in gpu_milli or {}:
-            held[node_id].append(MigHeld(int(index), profile, int(slot)))
+        for index in indexes or ():
+            held[node_id].append(MigHeld(int(index), profile, int(slot), is_reserved))
     return held
 
 
@@ -65,6 +86,15 @@ def mig_slots(gpus: list[dict[str, Any]], held: list[MigHeld]) -> dict[int, tupl
         size = geom.size if geom is not None else 8
         taken[item.gpu_index].update(range(item.slot, min(8, item.slot + size)))
     return {index: tuple(sorted(slots)) for index, slots in taken.items()}
+
+
+def slots_free(gpus: list[dict[str, Any]], held: list[MigHeld], wanted: list[MigHeld]) -> bool:
+    """Whether no active pod's instance (reservations aside) covers a slice of ``wanted``:
+    a MIG preemptor binds onto its reservation only once its victims have left it (their
+    compute shares can add up to less than a GPU while their slices still overlap)."""
+    taken = mig_slots(gpus, [item for item in held if not item.reserved])
+    mine = mig_slots(gpus, wanted)
+    return all(not set(taken.get(index, ())) & set(slices) for index, slices in mine.items())
 
 
 def mig_policy(node: NodeModel) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import datetime
 from functools import partial
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from gpucloud.core.errors import Conflict, InvalidInput
@@ -77,30 +77,44 @@ def on_bind(session: Session, pod_id: str, node_id: str) -> None:
         _wake(session, source_id)
 
 
-def volume_source(session: Session, pod: PodModel, node: NodeModel) -> VolumeSource | None:
-    """For the destination's assignment: where to fetch the disk from, if it must."""
+def volume_source(pod: PodModel, node: NodeModel, source: str | None,
+                  endpoint: str | None, host_key: str | None) -> VolumeSource | None:
+    """For the destination's assignment: where to fetch the disk from, if it must (the
+    name, access endpoint and host key of the node ``pod.volume_source_node_id`` names,
+    read with the pod)."""
     if pod.volume_source_node_id is None or pod.volume_source_node_id == node.id:
         return None
-    source = session.get(NodeModel, pod.volume_source_node_id)
-    if source is None or not source.access_endpoint or not source.access_host_key:
+    if source is None or not endpoint or not host_key:
         return None
-    return VolumeSource(node=source.name, endpoint=source.access_endpoint,
-                        host_key=source.access_host_key)
+    return VolumeSource(node=source, endpoint=endpoint, host_key=host_key)
 
 
-def exports(session: Session, node_id: str) -> list[VolumeExport]:
-    """For the source's assignments: the disks it may hand out now, each to the node its
-    pod is bound to (only while that pod is active there)."""
-    destination = aliased(NodeModel)
-    rows = session.execute(
-        select(PodModel.id, destination.name, destination.access_host_key)
-        .join(destination, destination.id == PodModel.node_id)
-        .where(PodModel.volume_source_node_id == node_id, PodModel.deleted_at.is_(None),
-               PodModel.phase.in_(ACTIVE_PHASE_VALUES),
-               destination.access_host_key.is_not(None))
-        .order_by(PodModel.id)).all()
-    return [VolumeExport(pod_id=pod_id, peer_node=name, peer_key=key)
-            for pod_id, name, key in rows]
+_DESTINATION = aliased(NodeModel, name="destination")
+_IS_SOURCE = PodModel.volume_source_node_id == bindparam("node_id")
+#: ``node_volumes``' query, built once (every bind runs it).
+_NODE_VOLUMES = (
+    select(PodModel.id, PodModel.volume_bytes, PodModel.volume_source_node_id,
+           PodModel.phase, _DESTINATION.name, _DESTINATION.access_host_key)
+    .outerjoin(_DESTINATION, _DESTINATION.id == PodModel.node_id)
+    .where(PodModel.deleted_at.is_(None),
+           or_(PodModel.volume_node_id == bindparam("node_id"),
+               PodModel.node_id == bindparam("node_id"), _IS_SOURCE),
+           or_(PodModel.volume_bytes.is_not(None), _IS_SOURCE))
+    .order_by(PodModel.id))
+
+
+def node_volumes(session: Session, node_id: str) -> tuple[list[str], list[VolumeExport]]:
+    """For the node's assignments, in one query: the live pods whose volume disk lives
+    there (the agent keeps only their dirs: pinned there, bound there, or the source of
+    a migration) and, of those it is the source of, the disks it may hand out now, each
+    to the node its pod is bound to (only while that pod is active there)."""
+    rows = session.execute(_NODE_VOLUMES, {"node_id": node_id}).all()
+    kept = [pod_id for pod_id, volume_bytes, *_ in rows if volume_bytes is not None]
+    exports = [VolumeExport(pod_id=pod_id, peer_node=name, peer_key=key)
+               for pod_id, _, source_id, phase, name, key in rows
+               if source_id == node_id and phase in ACTIVE_PHASE_VALUES
+               and name is not None and key is not None]
+    return kept, exports
 
 
 def apply_report(session: Session, pod: PodModel, node: NodeModel,

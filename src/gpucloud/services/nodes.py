@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from functools import partial
 
@@ -43,7 +44,7 @@ from gpucloud.services.context import (
 )
 from gpucloud.services.events import transition
 from gpucloud.services.fencing import check_fencing
-from gpucloud.services.pods import requeue
+from gpucloud.services.pods import complete_restart, requeue
 from gpucloud.services.projects import Principal
 from gpucloud.services.scheduling import retry_unschedulable
 
@@ -64,14 +65,17 @@ def _normalized_gpus(gpus: list[GpuInventory]) -> list[dict[str, object]]:
     return out
 
 
-def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegisterResponse:
+def register_node(ctx: ServiceContext, request: NodeRegisterRequest,
+                  before_commit: Callable[[], None] | None = None) -> NodeRegisterResponse:
     """Register (or re-register) a node by name; a new node token and a new lease grant.
 
     A re-registering node keeps its id and pods; its fencing token moves on, so writes of
     any earlier incarnation of the agent are refused from now on. Only a new node spends
     a use of the join token, by a statement of its own, before the transaction (given
     back if the registration fails): no lock on the token's row while the node is
-    written (services/join_tokens).
+    written (services/join_tokens). ``before_commit`` runs last inside the transaction:
+    what it raises rolls the registration back (api/register_capacity.py: the agent
+    gave it up meanwhile), the join token's use given back.
     """
     now = ctx.clock.now()
     with ctx.db.read() as session:
@@ -80,22 +84,24 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest) -> NodeRegi
             join_tokens.check(session, request.join_token, now)
     spent = None if known is not None else join_tokens.spend(ctx, request.join_token, now)
     try:
-        return _register(ctx, request, now)
+        return _register(ctx, request, now, before_commit)
     except BaseException:
         if spent is not None:
             join_tokens.refund(ctx, spent)
         raise
 
 
-def _register(ctx: ServiceContext, request: NodeRegisterRequest,
-              now: datetime) -> NodeRegisterResponse:
+def _register(ctx: ServiceContext, request: NodeRegisterRequest, now: datetime,
+              before_commit: Callable[[], None] | None) -> NodeRegisterResponse:
     secret = new_secret("gpn")
     ttl = ctx.settings.lease_ttl_seconds
     gateway_keys = gateway_public_keys(ctx.settings.home)
     with ctx.db.transaction() as session:
         node = session.scalar(select(NodeModel).where(NodeModel.name == request.name))
-        if node is not None:  # its old token is refused from now on, on every replica
-            on_commit(session, ctx.cache.clear)
+        if node is not None:  # its old token is refused from now on, on every replica:
+            # that one token is forgotten, not the whole cache (every other agent's next
+            # request would miss it, a storm's worth of misses in a fleet re-registering)
+            on_commit(session, partial(ctx.cache.forget, _NODE_TOKEN + node.token_hash))
         if node is None:
             node = NodeModel(id=new_id(), name=request.name, registered_at=now, fencing_token=0,
                              assignments_revision=0, version=0, cordoned=False)
@@ -111,6 +117,8 @@ def _register(ctx: ServiceContext, request: NodeRegisterRequest,
         _grant(node, now, ttl)
         _announce(session, node.id)
         retry_unschedulable(session)
+        if before_commit is not None:
+            before_commit()
         return NodeRegisterResponse(node_id=node.id, name=node.name, node_token=secret,
                                     fencing_token=node.fencing_token, lease_ttl_seconds=ttl,
                                     gateway_public_keys=gateway_keys)
@@ -144,8 +152,8 @@ _NODE_TOKEN = "node:"
 
 def cached_node(ctx: ServiceContext, token: str | None) -> str | None:
     """The node of a token authenticated in the last few seconds (``ctx.cache``, as API
-    keys are), without a query. A node's re-registration replaces its token and clears
-    the cache here and, as a hint, on the other replicas; elsewhere the old token lives
+    keys are), without a query. A node's re-registration replaces its token and forgets
+    the old one here and, as a hint, on the other replicas; elsewhere the old token lives
     at most the cache TTL, and every write it could make is refused by the fencing
     token, which re-registration moved on."""
     if not token:
@@ -407,6 +415,22 @@ def rebase_leases(ctx: ServiceContext, alive_at: datetime) -> int:
         ).values(lease_expires_at=fresh))
 
 
+def refresh_leases(ctx: ServiceContext, now: datetime) -> int:
+    """A new leader's fresh TTL (Nomad): every Ready lease, lapsed or not, expires no
+    earlier than one TTL from now. The agents that could not reach a server during the
+    failover then renew on the hot path and keep their grants (a lapsed lease could only
+    be renewed by a new grant, whose new fencing token refuses their pod reports in
+    flight); a node that is really gone is still found one TTL after the change. Returns
+    how many leases it moved. ``now`` is the caller's, so that its wait ends exactly
+    when the fresh leases can lapse."""
+    fresh = now + timedelta(seconds=ctx.settings.lease_ttl_seconds)
+    with ctx.db.transaction() as session:
+        return rows_changed(session, update(NodeModel).where(
+            NodeModel.status == NodeStatus.READY.value,
+            (NodeModel.lease_expires_at < fresh) | NodeModel.lease_expires_at.is_(None),
+        ).values(lease_expires_at=fresh))
+
+
 def set_mig_policy(ctx: ServiceContext, caller: Principal, ref: str, mode: str) -> NodeOut:
     """``gpucloud node mig NODE --mode``: how the node's MIG-capable GPUs take MIG pods.
 
@@ -473,6 +497,8 @@ def _lose_pods(ctx: ServiceContext, session: Session, node_id: str, node_name: s
         spot.count(session, pod, StopReason.NODE_LOST, now)  # an unannounced interruption
         if pod.job_id is not None or pod.deleted_at is not None:
             continue  # a job's members: the gang restarts as a unit (services/gangs)
+        if complete_restart(session, pod, now):
+            continue  # its restart's stop can no longer come: it starts again now
         noticed = spot.notice_of(pod)
         wanted = pod.desired_state == "running" or (
             noticed is not None and spot.restarts_after_preemption(pod, noticed.reason))

@@ -1,11 +1,14 @@
 """Wake-ups across server replicas: PostgreSQL ``LISTEN/NOTIFY`` as a hint only.
 
 Every replica keeps one connection of its own that LISTENs on ``gpucloud``; a change
-committed on one replica (a node's assignments, a revoked key, a serverless request
-queued or finished) is published after commit
-from a queue by one thread on another connection of its own, batched, never on the
+committed on one replica (a node's assignments, a revoked key, a node's replaced token,
+a serverless request queued or finished, a chunk of a pod's log stored) is published after
+commit from a queue by one thread on another connection of its own, batched, never on the
 request or heartbeat path (NOTIFY takes a global lock at commit). A receiver wakes the
-long polls of that node (``wakeups.ASSIGNMENTS``) or clears its cache (``ctx.cache``).
+long polls of that node (``wakeups.ASSIGNMENTS``) or the waiting reads of that pod's log
+(``wakeups.LOGS``), clears its cache (``ctx.cache``), or forgets one entry of it (a
+re-registered node's old token: the fleet's other cached tokens stay, so a registration
+storm does not make every agent's next request a miss).
 
 It is a hint: the long poll still re-reads the revision every ``POLL_SECONDS`` and the
 cache entries expire after ``auth_cache_ttl_seconds``, so a lost notification (a
@@ -28,12 +31,19 @@ log = logging.getLogger(__name__)
 CHANNEL = "gpucloud"
 ASSIGNMENTS = "a:"
 CACHE = "c:"
+#: One cache key to forget (``TtlCache.forget``): ``k:node:<token hash>``.
+CACHE_KEY = "k:"
 #: Serverless queue wake-ups (a request queued, finished or stopped; its keys are
 #: ``serverless_queue.WAKEUPS``'s): a runsync or job-take long poll held by another
 #: replica answers at once instead of on its next re-check.
 SERVERLESS = "s:"
-#: A notification's payload is at most 8000 bytes: a batch holds this many keys.
+#: A pod's log grew (``wakeups.LOGS``, keyed by pod id): a waiting log read held by
+#: another replica answers at once instead of on its next re-check.
+LOGS = "l:"
+#: A notification's payload is at most 8000 bytes: a batch holds at most this many
+#: keys, and at most PAYLOAD_BYTES of them (a forgotten cache key is 71 bytes).
 BATCH = 200
+PAYLOAD_BYTES = 7900
 
 
 def _dsn(url: str) -> str:
@@ -55,19 +65,34 @@ class NotifyBridge:
 
     def start(self) -> None:
         wakeups.ASSIGNMENTS.publisher = lambda key: self._outbox.put(ASSIGNMENTS + key)
+        wakeups.LOGS.publisher = lambda key: self._outbox.put(LOGS + key)
         serverless_queue.WAKEUPS.publisher = lambda key: self._outbox.put(SERVERLESS + key)
         self.cache.publisher = lambda: self._outbox.put(CACHE)
+        self.cache.key_publisher = lambda key: self._outbox.put(CACHE_KEY + key)
         for thread in self._threads:
             thread.start()
 
     def stop(self) -> None:
         wakeups.ASSIGNMENTS.publisher = None
+        wakeups.LOGS.publisher = None
         serverless_queue.WAKEUPS.publisher = None
         self.cache.publisher = None
+        self.cache.key_publisher = None
         self._stop.set()
         self._outbox.put(None)
+        self._wake_listener()
         for thread in self._threads:
             thread.join(timeout=5)
+
+    def _wake_listener(self) -> None:
+        """End the listener's wait for notifications now rather than at its next timeout
+        (up to a second of every shutdown): an empty notification, which every listener
+        reads as no keys."""
+        try:
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=1) as conn:
+                conn.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
+        except psycopg.Error:
+            pass  # the database is away: the listener ends at its timeout
 
     def _publish(self) -> None:
         while not self._stop.is_set():
@@ -79,18 +104,25 @@ class NotifyBridge:
                 self._stop.wait(1.0)
 
     def _drain(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        carried: str | None = None  # the key that did not fit in the last payload
         while not self._stop.is_set():
-            first = self._outbox.get()
+            first = carried if carried is not None else self._outbox.get()
+            carried = None
             if first is None:
                 return
-            batch = {first}
+            batch, size = {first}, len(first)
             while len(batch) < BATCH:
                 try:
                     item = self._outbox.get_nowait()
                 except queue.Empty:
                     break
-                if item is not None:
-                    batch.add(item)
+                if item is None or item in batch:
+                    continue
+                if size + 1 + len(item) > PAYLOAD_BYTES:
+                    carried = item
+                    break
+                batch.add(item)
+                size += 1 + len(item)
             conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, " ".join(sorted(batch))))
 
     def _listen(self) -> None:
@@ -101,6 +133,8 @@ class NotifyBridge:
                     self.cache.clear_local()  # what was missed while not listening
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=1.0):
+                            if self._stop.is_set():  # woken by stop(): not a second more
+                                break
                             self._receive(note.payload)
             except psycopg.Error as error:
                 log.warning("notify: listening failed, reconnecting: %s", error)
@@ -110,7 +144,11 @@ class NotifyBridge:
         for item in payload.split():
             if item == CACHE:
                 self.cache.clear_local()
+            elif item.startswith(CACHE_KEY):
+                self.cache.forget_local(item[len(CACHE_KEY):])
             elif item.startswith(ASSIGNMENTS):
                 wakeups.ASSIGNMENTS.notify_local(item[len(ASSIGNMENTS):])
+            elif item.startswith(LOGS):
+                wakeups.LOGS.notify_local(item[len(LOGS):])
             elif item.startswith(SERVERLESS):
                 serverless_queue.WAKEUPS.notify_local(item[len(SERVERLESS):])

@@ -7,7 +7,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import ScalarSelect, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -20,7 +20,9 @@ from gpucloud.core.models import (
     PodWhyOut,
 )
 from gpucloud.core.phases import (
+    ACTIVE_PHASE_VALUES,
     ACTIVE_PHASES,
+    RESTARTING,
     TERMINAL_PHASES,
     NodeStatus,
     PodPhase,
@@ -216,6 +218,28 @@ def bump_assignments(session: Session, node_id: str | None) -> None:
         on_commit(session, partial(wakeups.ASSIGNMENTS.notify, node_id))
 
 
+def bump_project_nodes(session: Session, project_id: str,
+                       registry_auth: str | None = None) -> None:
+    """Wake the agents running the project's pods (only those naming ``registry_auth``,
+    when given): something their assignments derive from changed without a bind or a
+    stop (its SSH keys, a registry login), and the answer kept for their revision
+    (services/assignment_answers) must not be served again. Nodes locked in id order."""
+    query = select(PodModel.node_id).where(
+        PodModel.project_id == project_id, PodModel.phase.in_(ACTIVE_PHASE_VALUES),
+        PodModel.node_id.is_not(None), PodModel.deleted_at.is_(None))
+    if registry_auth is not None:
+        query = query.where(PodModel.registry_auth == registry_auth)
+    node_ids = sorted({n for n in session.scalars(query.distinct()) if n})
+    if not node_ids:
+        return
+    session.execute(select(NodeModel.id).where(NodeModel.id.in_(node_ids))
+                    .order_by(NodeModel.id).with_for_update())
+    session.execute(update(NodeModel).where(NodeModel.id.in_(node_ids))
+                    .values(assignments_revision=NodeModel.assignments_revision + 1))
+    for node_id in node_ids:
+        on_commit(session, partial(wakeups.ASSIGNMENTS.notify, node_id))
+
+
 def stop_pod(ctx: ServiceContext, caller: Principal, ref: str,
              grace_seconds: float | None = None) -> PodOut:
     """Stop a pod: at once when nothing runs, else ask its agent (SIGTERM, then SIGKILL
@@ -266,6 +290,71 @@ def start_pod(ctx: ServiceContext, caller: Principal, ref: str,
             pod.gpus = gpus
         requeue(session, pod, now, "StartedByUser")
         return pod_out(pod, caller.project_name, None)
+
+
+def restart_pod(ctx: ServiceContext, caller: Principal, ref: str,
+                grace_seconds: float | None = None) -> PodOut:
+    """Restart a pod in place, answering at once. An active pod is asked to stop
+    (``desired_state`` ``restarting``: SIGTERM, then SIGKILL after ``grace_seconds``)
+    and the server starts it again when its agent reports it ended
+    (:func:`complete_restart`): the same pod, a new attempt, placed again on the node
+    holding its volume disk, its network volumes kept. A pending pod is stopped and
+    started at once; an ended one just starts."""
+    now = ctx.clock.now()
+    with ctx.db.transaction() as session:
+        pod = _find(session, caller, ref)
+        _not_a_member(pod)
+        volumes.check_still_there(session, pod.project_id, pod.network_volumes)
+        phase = PodPhase(pod.phase)
+        if phase in ACTIVE_PHASES:
+            _ask_restart(session, pod, now, grace_seconds)
+            return pod_out(pod, caller.project_name, _node_name(session, pod.node_id))
+        if phase is PodPhase.PENDING:
+            transition(session, pod, PodPhase.STOPPED, now, "StoppedByUser")
+            pod.desired_state, pod.finished_at = "stopped", now
+        _requeue_in_place(session, pod, now, "StartedByUser")
+        return pod_out(pod, caller.project_name, None)
+
+
+def _ask_restart(session: Session, pod: PodModel, now: datetime,
+                 grace_seconds: float | None) -> None:
+    """The restart's stop, once (a second restart while it stops changes nothing); a stop
+    already under way (the user's, a preemption's) becomes the restart's."""
+    if pod.desired_state == RESTARTING:
+        return
+    pod.desired_state = RESTARTING
+    pod.stop_grace_seconds = grace_seconds
+    pod.stop_notice = None  # started again in place, not requeued as a preemption's victim
+    pod.version += 1
+    record_event(session, pod.id, now, "RestartRequested",
+                 "the node agent stops it; the server starts it again once it has stopped")
+    bump_assignments(session, pod.node_id)
+
+
+def complete_restart(session: Session, pod: PodModel, now: datetime) -> bool:
+    """The second half of :func:`restart_pod`, once the pod has ended (its agent's report,
+    its node lost, a drain's deadline): Pending again, to be placed anew; True if it was
+    restarting. A network volume deleted meanwhile leaves it stopped, with an event."""
+    if pod.desired_state != RESTARTING or pod.deleted_at is not None:
+        return False
+    node_id = pod.node_id
+    try:
+        volumes.check_still_there(session, pod.project_id, pod.network_volumes)
+    except InvalidInput as error:
+        pod.desired_state = "stopped"
+        record_event(session, pod.id, now, "RestartFailed", error.message)
+        return False
+    _requeue_in_place(session, pod, now, "RestartedByUser",
+                      "stopped for the restart; started again in place")
+    bump_assignments(session, node_id)
+    return True
+
+
+def _requeue_in_place(session: Session, pod: PodModel, now: datetime, reason: str,
+                      message: str | None = None) -> None:
+    """``pod start`` without ``--migrate``: back to the node holding its volume disk."""
+    migration.prepare_start(session, pod, False)
+    requeue(session, pod, now, reason, message)
 
 
 def requeue(session: Session, pod: PodModel, now: datetime, reason: str,
@@ -346,26 +435,51 @@ def read_logs(ctx: ServiceContext, caller: Principal, ref: str, offset: int = 0,
     since, it gets the rest of that attempt, every later one, then the current one from
     its start — so following never skips the beginning of a new run.
     """
+    return read_logs_of(ctx, caller, ref, offset, tail_bytes, attempt)[1]
+
+
+def read_logs_of(ctx: ServiceContext, caller: Principal, ref: str, offset: int = 0,
+                 tail_bytes: int | None = None,
+                 attempt: int | None = None) -> tuple[str, PodLogsOut]:
+    """``read_logs``, and the pod's id (what a waiting read listens on: api/routers/pods.py).
+
+    A follower within the current attempt (an ``offset`` past 0, no tail) gets only the
+    chunks from the one holding ``offset`` on, not the whole log again at each read.
+    """
     with ctx.db.read() as session:
         pod = _find(session, caller, ref)
         first = pod.attempt if attempt is None else min(attempt, pod.attempt)
+        query = select(PodLogChunkModel.attempt, PodLogChunkModel.offset,
+                       PodLogChunkModel.data).where(
+            PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt >= first,
+            PodLogChunkModel.attempt <= pod.attempt)
+        if first == pod.attempt and tail_bytes is None and offset > 0:
+            query = query.where(PodLogChunkModel.offset >= _chunk_holding(pod, offset))
         rows = session.execute(
-            select(PodLogChunkModel.attempt, PodLogChunkModel.data)
-            .where(PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt >= first,
-                   PodLogChunkModel.attempt <= pod.attempt)
-            .order_by(PodLogChunkModel.attempt, PodLogChunkModel.offset)
-        ).all()
+            query.order_by(PodLogChunkModel.attempt, PodLogChunkModel.offset)).all()
         finished = PodPhase(pod.phase) in TERMINAL_PHASES
-        current_attempt, log_tail = pod.attempt, pod.log_tail
+        pod_id, current_attempt, log_tail = pod.id, pod.attempt, pod.log_tail
     output: dict[int, bytes] = defaultdict(bytes)
-    for number, data in rows:
+    base: int | None = None  # where the current attempt's first chunk read starts
+    for number, at, data in rows:
+        if number == current_attempt and base is None:
+            base = at
         output[number] += data.encode()
     current = output.get(current_attempt) or (log_tail or "").encode()
+    base = base or 0
+    end = base + len(current)
     restarted = first < current_attempt
     earlier = b"".join([output[first][offset:], *(output[n] for n in range(
         first + 1, current_attempt))]) if restarted else b""
-    start = (0 if restarted else max(0, len(current) - tail_bytes) if tail_bytes is not None
-             else min(offset, len(current)))
-    text = (earlier + current[start:]).decode(errors="ignore")
-    return PodLogsOut(text=text, offset=start, next_offset=len(current), finished=finished,
-                      attempt=current_attempt)
+    start = (0 if restarted else max(0, end - tail_bytes) if tail_bytes is not None
+             else min(offset, end))
+    text = (earlier + current[start - base:]).decode(errors="ignore")
+    return pod_id, PodLogsOut(text=text, offset=start, next_offset=end, finished=finished,
+                              attempt=current_attempt)
+
+
+def _chunk_holding(pod: PodModel, offset: int) -> ScalarSelect[int]:
+    """The start of the current attempt's chunk that holds byte ``offset`` (0 if none)."""
+    return select(func.coalesce(func.max(PodLogChunkModel.offset), 0)).where(
+        PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt == pod.attempt,
+        PodLogChunkModel.offset <= offset).scalar_subquery()

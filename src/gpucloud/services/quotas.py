@@ -64,16 +64,32 @@ def project_names(session: Session) -> dict[str, str]:
     return dict(session.execute(select(ProjectModel.id, ProjectModel.name)).all())
 
 
+#: What a pod holds, for the ledger: (project, node id, GPU index -> milli pairs, CPU
+#: milli, memory bytes).
+Holding = tuple[str, str | None, Iterable[tuple[str, int]], int, int]
+
+
 def load_ledger(session: Session, now: datetime,
-                node_gpus: Iterable[tuple[str, list[dict[str, Any]]]] | None = None) -> Ledger:
+                node_gpus: Iterable[tuple[str, list[dict[str, Any]]]] | None = None,
+                holdings: Iterable[Holding] | None = None) -> Ledger:
     """The quotas, and what active pods and live reservations hold per project: GPUs per
     model (for quotas and DRF), CPU and memory (for DRF). ``node_gpus``: each node's id
-    and GPUs when the caller has them already (a scheduling pass's snapshot), else read."""
+    and GPUs when the caller has them already (a scheduling pass's snapshot), else read;
+    ``holdings`` likewise, the active pods' and live reservations' (``Holding``)."""
     quotas = {q.project_id: Quota(dict(q.gpus), q.borrow_limit)
               for q in session.scalars(select(QuotaModel))}
     ledger = Ledger(quotas)
     models = _gpu_models(node_gpus if node_gpus is not None
                          else session.execute(select(NodeModel.id, NodeModel.gpus)))
+    for project, node_id, pairs, cpu_milli, memory_bytes in (
+            _holdings(session, now) if holdings is None else holdings):
+        for index, milli in pairs:
+            ledger.add(project, models.get((node_id or "", int(index)), "unknown"), milli)
+        ledger.hold(project, cpu_milli, memory_bytes)
+    return ledger
+
+
+def _holdings(session: Session, now: datetime) -> list[Holding]:
     held = session.execute(
         select(PodModel.project_id, PodModel.node_id, gpu_milli.as_text(PodModel.gpu_milli),
                PodModel.cpu_milli, PodModel.memory_bytes)
@@ -85,11 +101,9 @@ def load_ledger(session: Session, now: datetime,
         .where(PodModel.phase == PodPhase.PENDING.value,
                PodModel.nominated_node_id.is_not(None),
                PodModel.nominated_until > now)).all()
-    for project, node_id, milli_text, cpu_milli, memory_bytes in [*held, *reserved]:
-        for index, milli in gpu_milli.pairs(milli_text):  # (JSON parsed once per value)
-            ledger.add(project, models.get((node_id or "", int(index)), "unknown"), milli)
-        ledger.hold(project, cpu_milli, memory_bytes)
-    return ledger
+    # (each JSON value parsed once)
+    return [(project, node_id, gpu_milli.pairs(text), cpu, memory)
+            for project, node_id, text, cpu, memory in [*held, *reserved]]
 
 
 def _gpu_models(rows: Iterable[tuple[str, list[dict[str, Any]]]]) -> dict[tuple[str, int], str]:

@@ -14,6 +14,7 @@ from gpucloud.core.errors import InvalidInput, NotFound
 from gpucloud.core.spec import RegistryAuthAddRequest, RegistryAuthOut
 from gpucloud.db.models import RegistryAuthModel
 from gpucloud.services.context import ServiceContext, new_id
+from gpucloud.services.pods import bump_project_nodes
 from gpucloud.services.projects import Principal
 
 
@@ -32,6 +33,7 @@ def add_registry_auth(ctx: ServiceContext, caller: Principal,
         with ctx.db.transaction() as session:
             session.add(auth)
             session.flush()
+            bump_project_nodes(session, caller.project_id, request.name)  # now named: found
             return _out(auth)
     except IntegrityError:
         raise InvalidInput("name", f"registry credentials named {request.name!r} already "
@@ -55,3 +57,4 @@ def remove_registry_auth(ctx: ServiceContext, caller: Principal, ref: str) -> No
         if auth is None:
             raise NotFound(f"registry credentials {ref!r} not found")
         session.delete(auth)
+        bump_project_nodes(session, caller.project_id, auth.name)

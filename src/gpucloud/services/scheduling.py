@@ -9,14 +9,16 @@ meanwhile, makes the bind a no-op that the next pass retries.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import partial
+from typing import Any
 
-from sqlalchemy import Connection, Text, bindparam, cast, or_, select, tuple_, update
+from sqlalchemy import Connection, Text, and_, bindparam, cast, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpucloud.core.capabilities import CHECKPOINT_TRANSPARENT
@@ -42,12 +44,13 @@ from gpucloud.services import (
     loadaware,
     migration,
     quotas,
+    row_sources,
     wakeups,
 )
 from gpucloud.services.context import ServiceContext, new_id
 from gpucloud.services.events import record_event, record_events
-from gpucloud.services.gpu_shares import mig_facts, share_memory_held
-from gpucloud.services.mig import MigHeld, mig_held, mig_labels, mig_slots
+from gpucloud.services.gpu_shares import mig_facts, share_memory_of
+from gpucloud.services.mig import MigHeld, held_of, mig_labels, mig_slots, slots_free
 from gpucloud.services.transparent import criu_labels, transparent_selector
 
 LOCK_SECONDS = 30.0
@@ -62,6 +65,17 @@ UNSCHEDULABLE_RETRY_SECONDS = 30.0
 #: (bench/scheduler_pass.py, 10,000 nodes on PostgreSQL, one busy run: 905 pods per CPU
 #: second at 1,024 a pass, 2,397 at 4,096; 318 at 1,024 with a full snapshot each pass).
 PASS_LIMIT = 4096
+
+
+def notify_nodes(node_ids: list[str]) -> None:
+    """Wake the assignment long polls of nodes a bind just claimed (committed)."""
+    for node_id in node_ids:
+        wakeups.ASSIGNMENTS.notify(node_id)
+
+
+#: How a pass tells the agents of the nodes its binds claimed, once they committed: by
+#: default ``notify_nodes``; the controller first builds the answers of waiting polls.
+Announce = Callable[[list[str]], None]
 
 
 @dataclass
@@ -85,6 +99,10 @@ class Snapshot:
     nodes: list[NodeState]
     by_name: dict[str, NodeModel]
     usage: Usage
+    #: The MIG instances held per node id, reservations included (``mig.mig_held``).
+    mig: dict[str, list[MigHeld]] = field(default_factory=dict)
+    #: What each active pod and live reservation holds, for the quota ledger.
+    holdings: list[quotas.Holding] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -141,36 +159,42 @@ _LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_ty
                    .scalar_subquery().label("volume_node"), _AVOID_NODE,
                    PodModel.avoid_until, PodModel.mig_profile, PodModel.gpu_memory_bytes,
                    PodModel.mig_slot)
+_LOCK_FREE = or_(PodModel.lock_expires_at.is_(None),
+                 PodModel.lock_expires_at <= bindparam("now"))
+#: The lease, one statement built once: lock up to ``limit`` schedulable pending pods
+#: (highest priority first, then oldest) and return what the pass needs of them. Its
+#: rows come back in no particular order: ``lease_pending`` sorts them on
+#: (priority, created_at, id).
+_LEASE = (
+    update(PodModel)
+    .where(PodModel.id.in_(
+        select(PodModel.id)
+        .where(PodModel.phase == PodPhase.PENDING.value, PodModel.deleted_at.is_(None),
+               PodModel.desired_state == "running", PodModel.job_id.is_(None),
+               or_(PodModel.not_before.is_(None), PodModel.not_before <= bindparam("now")),
+               _LOCK_FREE)
+        .order_by(PodModel.priority.desc(), PodModel.created_at, PodModel.id)
+        .limit(bindparam("limit"))
+        .scalar_subquery()), _LOCK_FREE)
+    .values(lock_token=bindparam("token"), lock_expires_at=bindparam("until"))
+    .returning(*_LEASED_COLUMNS, PodModel.created_at)
+    .execution_options(synchronize_session=False))
 
 
 def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
     """Take a lock on up to ``limit`` schedulable pending pods: highest priority first,
-    then oldest."""
+    then oldest. One write transaction of one statement (its fence aside), none found
+    included."""
     now = ctx.clock.now()
     token = new_id()
     with ctx.db.transaction() as session:
-        ids = session.scalars(
-            select(PodModel.id)
-            .where(PodModel.phase == PodPhase.PENDING.value, PodModel.deleted_at.is_(None),
-                   PodModel.desired_state == "running", PodModel.job_id.is_(None),
-                   or_(PodModel.not_before.is_(None), PodModel.not_before <= now),
-                   or_(PodModel.lock_expires_at.is_(None), PodModel.lock_expires_at <= now))
-            .order_by(PodModel.priority.desc(), PodModel.created_at, PodModel.id)
-            .limit(limit)
-        ).all()
-        if not ids:
-            return token, []
-        session.execute(
-            update(PodModel)
-            .where(PodModel.id.in_(ids),
-                   or_(PodModel.lock_expires_at.is_(None), PodModel.lock_expires_at <= now))
-            .values(lock_token=token, lock_expires_at=now + timedelta(seconds=LOCK_SECONDS))
-        )
-        rows = session.execute(
-            select(*_LEASED_COLUMNS).where(PodModel.lock_token == token)
-            .order_by(PodModel.priority.desc(), PodModel.created_at, PodModel.id)
-        ).all()
-        return token, [_avoiding(LeasedPod(**row._mapping), now) for row in rows]
+        rows = sorted(session.execute(_LEASE, {
+            "now": now, "limit": limit, "token": token,
+            "until": now + timedelta(seconds=LOCK_SECONDS)}),
+            key=lambda row: (-row.priority, row.created_at, row.id))
+    fields = [name for name in rows[0]._fields if name != "created_at"] if rows else []
+    return token, [_avoiding(LeasedPod(**{name: row._mapping[name] for name in fields}), now)
+                   for row in rows]
 
 
 def _avoiding(pod: LeasedPod, now: datetime) -> LeasedPod:
@@ -193,38 +217,66 @@ def pod_request(pod: LeasedPod) -> PodRequest:
                                      if pod.checkpoint_mode == CHECKPOINT_TRANSPARENT else {}))
 
 
-def _usage(session: Session, now: datetime) -> Usage:
+#: Every active pod's holding and every live reservation's (a pending preemptor's), in
+#: one statement: a snapshot's usage, MIG instances and share memory and the quota
+#: ledger all come from these rows (one read, not seven). Built once.
+_HOLDINGS = select(
+    PodModel.phase, PodModel.project_id, PodModel.node_id, PodModel.nominated_node_id,
+    gpu_milli.as_text(PodModel.gpu_milli), gpu_milli.as_text(PodModel.nominated_gpu_milli),
+    PodModel.cpu_milli, PodModel.memory_bytes, PodModel.mig_profile, PodModel.mig_slot,
+    PodModel.gpu_memory_bytes,
+).where(or_(
+    and_(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None)),
+    and_(PodModel.phase == PodPhase.PENDING.value, PodModel.nominated_node_id.is_not(None),
+         PodModel.nominated_until > bindparam("now"))))
+
+
+@dataclass
+class _Held:
+    """The snapshot's side of ``_HOLDINGS``."""
+
+    usage: Usage
+    mig: dict[str, list[MigHeld]]
+    shares: dict[str, dict[int, int]]
+    ledger: list[quotas.Holding]
+
+
+def _held(session: Session, now: datetime) -> _Held:
     """GPU milli per node and GPU index, CPU and memory held by active pods and by live
-    reservations of pending preemptors."""
+    reservations of pending preemptors; their MIG instances (``mig.mig_held``), the
+    memory limits of active shares (``gpu_shares.share_memory_held``) and the ledger's
+    holdings (``quotas.load_ledger``)."""
     gpu: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     cpu: dict[str, int] = defaultdict(int)
     memory: dict[str, int] = defaultdict(int)
-    held = session.execute(
-        select(PodModel.node_id, gpu_milli.as_text(PodModel.gpu_milli), PodModel.cpu_milli,
-               PodModel.memory_bytes)
-        .where(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None))
-    ).all()
-    reserved = session.execute(
-        select(PodModel.nominated_node_id, gpu_milli.as_text(PodModel.nominated_gpu_milli),
-               PodModel.cpu_milli, PodModel.memory_bytes)
-        .where(PodModel.phase == PodPhase.PENDING.value,
-               PodModel.nominated_node_id.is_not(None), PodModel.nominated_until > now)
-    ).all()
-    for node_id, milli_text, cpu_milli, memory_bytes in [*held, *reserved]:
+    mig: list[tuple[str | None, list[str], str | None, int | None, bool]] = []
+    shares: list[tuple[str | None, list[str], int | None]] = []
+    ledger: list[quotas.Holding] = []
+    for (phase, project, bound_to, nominated, milli_text, nominated_text, cpu_milli,
+         memory_bytes, profile, slot, share_memory) in session.execute(
+            _HOLDINGS, {"now": now}):
+        reserved = phase == PodPhase.PENDING.value
+        node_id = nominated if reserved else bound_to
+        pairs = gpu_milli.pairs(nominated_text if reserved else milli_text)
+        indexes = [index for index, _ in pairs]
+        ledger.append((project, node_id, pairs, cpu_milli, memory_bytes))
+        mig.append((node_id, indexes, profile, slot, reserved))
+        if not reserved and share_memory is not None and profile is None:
+            shares.append((node_id, indexes, share_memory))
         if node_id is None:
             continue
-        for index, milli in gpu_milli.pairs(milli_text):
+        for index, milli in pairs:
             gpu[node_id][int(index)] += milli
         cpu[node_id] += cpu_milli
         memory[node_id] += memory_bytes
-    return gpu, cpu, memory
+    return _Held((gpu, cpu, memory), held_of(mig), share_memory_of(shares), ledger)
 
 
 def node_state(node: NodeModel, gpu_used: dict[int, int], cpu_used: int,
                memory_used: int, load: NodeLoad | None = None,
                mig_held: list[MigHeld] | None = None,
                share_memory: dict[int, int] | None = None) -> NodeState:
-    slots = mig_slots(node.gpus, mig_held or [])
+    slots = mig_slots(node.gpus, mig_held) if mig_held else {}  # most nodes hold none
     memory = share_memory or {}
     gpus = tuple(
         GpuState(index=g["index"], uuid=g["uuid"], model=g["model"],
@@ -286,6 +338,20 @@ class SnapshotCache:
             self._rows = rows
         return [rows[str(key[0])][1] for key in keys if str(key[0]) in rows]
 
+    def claimed(self, node_id: str, version: int) -> None:
+        """A bind of this pass claimed the node, moving its ``version`` to ``version``
+        and nothing else of its key: the cached row takes the new version, so that the
+        next pass need not load the row again (a bind's own bump is no change). Only
+        from the version just before; any other change since the row was read differs
+        from the cached key in some column, and the next pass reloads the row."""
+        with self._lock:
+            cached = self._rows.get(node_id)
+            if cached is None or cached[0][1] != version - 1:
+                return
+            key, row = cached
+            row.version = version
+            self._rows[node_id] = ((key[0], version, *key[2:]), row)
+
     def states(self, nodes: list[NodeModel], usage: Callable[[str], tuple[object, ...]],
                build: Callable[[NodeModel], NodeState]) -> list[NodeState]:
         """The nodes' states: last pass's object for a node whose row (the same cached
@@ -305,26 +371,39 @@ class SnapshotCache:
 
 
 def _load_nodes(session: Session, ids: list[str], everything: bool) -> dict[str, NodeModel]:
-    """Full rows of ``ids`` (all rows when most are wanted: one scan beats many lists)."""
+    """Full rows of ``ids`` (all rows when most are wanted: one scan beats many lists),
+    detached from ``session`` at once: the cache keeps them across passes, and a rollback
+    of this read (the database went away before the snapshot was done) would expire
+    them, leaving rows whose unchanged key never reloads them and whose every attribute
+    raises ``DetachedInstanceError`` (scheduling stopped for good after a restart)."""
     if everything:
-        return {n.id: n for n in session.scalars(select(NodeModel))}
-    out: dict[str, NodeModel] = {}
-    for start in range(0, len(ids), _RELOAD_CHUNK):
-        chunk = ids[start:start + _RELOAD_CHUNK]
-        out |= {n.id: n for n in session.scalars(
-            select(NodeModel).where(NodeModel.id.in_(chunk)))}
+        out = {n.id: n for n in session.scalars(select(NodeModel))}
+    else:
+        out = {}
+        for start in range(0, len(ids), _RELOAD_CHUNK):
+            chunk = ids[start:start + _RELOAD_CHUNK]
+            out |= {n.id: n for n in session.scalars(
+                select(NodeModel).where(NodeModel.id.in_(chunk)))}
+    for node in out.values():
+        session.expunge(node)
     return out
 
 
 def snapshot(ctx: ServiceContext, cache: SnapshotCache | None = None) -> Snapshot:
     """The cluster as the scheduler sees it; with ``cache``, built incrementally."""
     with ctx.db.read() as session:
-        nodes = (cache.nodes(session) if cache is not None
-                 else list(session.scalars(select(NodeModel).order_by(NodeModel.name)).all()))
-        gpu, cpu, memory = _usage(session, ctx.clock.now())
-        loads = loadaware.node_loads(session, ctx.clock.now(), nodes)
-        held = mig_held(session)
-        shares = share_memory_held(session)
+        return snapshot_in(session, ctx.clock.now(), cache)
+
+
+def snapshot_in(session: Session, now: datetime, cache: SnapshotCache | None = None
+                ) -> Snapshot:
+    """``snapshot`` read in ``session`` (a pass reads its ledger in the same one)."""
+    nodes = (cache.nodes(session) if cache is not None
+             else list(session.scalars(select(NodeModel).order_by(NodeModel.name)).all()))
+    holdings = _held(session, now)
+    gpu, cpu, memory = holdings.usage
+    loads = loadaware.node_loads(session, now, nodes)
+    held, shares = holdings.mig, holdings.shares
 
     def state_of(n: NodeModel) -> NodeState:
         return node_state(n, gpu.get(n.id, {}), cpu.get(n.id, 0), memory.get(n.id, 0),
@@ -336,7 +415,8 @@ def snapshot(ctx: ServiceContext, cache: SnapshotCache | None = None) -> Snapsho
 
     states = ([state_of(n) for n in nodes] if cache is None
               else cache.states(nodes, usage_of, state_of))
-    return Snapshot(states, {n.name: n for n in nodes}, (gpu, cpu, memory))
+    return Snapshot(states, {n.name: n for n in nodes}, (gpu, cpu, memory), held,
+                    holdings.ledger)
 
 
 def reservation_free(snap: Snapshot, node_id: str, gpu_milli: dict[str, int]) -> bool:
@@ -353,9 +433,11 @@ def reservation_free(snap: Snapshot, node_id: str, gpu_milli: dict[str, int]) ->
 
 
 def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = PASS_LIMIT,
-             cache: SnapshotCache | None = None) -> PassResult:
+             cache: SnapshotCache | None = None,
+             announce: Announce = notify_nodes) -> PassResult:
     """One scheduling pass over up to ``limit`` pending pods (``cache``: the controller's,
-    so that a pass rebuilds only the nodes that changed).
+    so that a pass rebuilds only the nodes that changed; ``announce``: how the agents of
+    the nodes bound to are told, see ``bind_all``).
 
     Pods holding a reservation bind onto it once its victims are gone; the others are
     checked against their project's quota, ordered by priority, then by their project's
@@ -365,25 +447,41 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = PASS_LIMIT,
     result = PassResult(considered=len(leased))
     if not leased:
         return result
-    snap = snapshot(ctx, cache)
+    snap, ledger, names, held = _read_cluster(ctx, cache)
     node_versions = {name: node.version for name, node in snap.by_name.items()}
     binds: list[tuple[LeasedPod, Decision]] = []
     pods = [p for p in leased if not _bind_reserved(ctx, p, token, snap, binds, result)]
-    ledger, names = _ledger(ctx, snap)
     pods, over = admit(ledger, names, _fair_order(pods, ledger, snap.nodes),
                        gpu_capacity(snap.nodes))
     _mark_over_quota(ctx, token, over)
     result.over_quota = [pod.id for pod, _ in over]
-    held = backfill.head_reservation(ctx, snap.nodes)
-    decisions = _schedule(scheduler, snap.nodes, pods, held, ctx.clock.now())
-    rejected = [(p, d) for p, d in zip(pods, decisions, strict=True) if d.placement is None]
+    decisions = (scheduler.decisions(snap.nodes, [pod_request(p) for p in pods])
+                 if held is None else iter(_schedule(scheduler, snap.nodes, pods, held,
+                                                     ctx.clock.now())))
+    # Bound a chunk at a time as the decisions come: the first pods reach their nodes
+    # while the rest of a large pass is still being planned.
+    rejected: list[tuple[LeasedPod, Decision]] = []
+    for pod, decision in zip(pods, decisions, strict=True):
+        (binds if decision.placement is not None else rejected).append((pod, decision))
+        if len(binds) >= _BIND_CHUNK:
+            _bind_into(ctx, token, binds, snap, node_versions, result, announce)
+            binds = []
+    _bind_into(ctx, token, binds, snap, node_versions, result, announce)
+    if cache is not None:
+        for name, version in node_versions.items():
+            if version != snap.by_name[name].version:
+                cache.claimed(snap.by_name[name].id, version)
     _mark_unschedulable(ctx, token, rejected)
     result.unschedulable = [pod.id for pod, _ in rejected]
-    binds += [(p, d) for p, d in zip(pods, decisions, strict=True) if d.placement is not None]
-    bound, conflicts = bind_all(ctx, token, binds, snap.by_name, node_versions)
+    return result
+
+
+def _bind_into(ctx: ServiceContext, token: str, binds: list[tuple[LeasedPod, Decision]],
+               snap: Snapshot, node_versions: dict[str, int], result: PassResult,
+               announce: Announce) -> None:
+    bound, conflicts = bind_all(ctx, token, binds, snap.by_name, node_versions, announce)
     result.scheduled += bound
     result.conflicts += conflicts
-    return result
 
 
 def _schedule(scheduler: Scheduler, nodes: list[NodeState], pods: list[LeasedPod],
@@ -437,24 +535,41 @@ def _bind_reserved(ctx: ServiceContext, pod: LeasedPod, token: str, snap: Snapsh
     if held is None:
         return False
     node_id, gpu_milli = held
-    if not reservation_free(snap, node_id, gpu_milli):
+    mig = ({int(i): (pod.mig_profile, pod.mig_slot) for i in gpu_milli}
+           if pod.mig_profile is not None and pod.mig_slot is not None else {})
+    if not reservation_free(snap, node_id, gpu_milli) or not _mig_free(snap, node_id, mig):
         _release_lock(ctx, pod, token)
         result.waiting.append(pod.id)
         return True
     node = next(n for n in snap.by_name.values() if n.id == node_id)
-    mig = ({int(i): (pod.mig_profile, pod.mig_slot) for i in gpu_milli}
-           if pod.mig_profile is not None and pod.mig_slot is not None else {})
     placement = Placement(node.name, {int(i): m for i, m in gpu_milli.items()}, mig)
     binds.append((pod, Decision(pod.id, placement, None)))
     return True
 
 
-def _ledger(ctx: ServiceContext, snap: Snapshot) -> tuple[Ledger, dict[str, str]]:
-    """The quota ledger; the nodes' GPU models come from the snapshot (not read again)."""
-    node_gpus = [(n.id, n.gpus) for n in snap.by_name.values()]
-    with ctx.db.transaction() as session:
-        return (quotas.load_ledger(session, ctx.clock.now(), node_gpus),
-                quotas.project_names(session))
+def _mig_free(snap: Snapshot, node_id: str, mig: dict[int, tuple[str, int]]) -> bool:
+    """A MIG reservation's slices are free of the active pods' instances (its victims')."""
+    if not mig:
+        return True
+    node = next(n for n in snap.by_name.values() if n.id == node_id)
+    wanted = [MigHeld(index, profile, slot) for index, (profile, slot) in mig.items()]
+    return slots_free(node.gpus, snap.mig.get(node_id, []), wanted)
+
+
+def _read_cluster(ctx: ServiceContext, cache: SnapshotCache | None
+                  ) -> tuple[Snapshot, Ledger, dict[str, str], backfill.GangReservation | None]:
+    """What a pass plans on, in one read (a consistent snapshot; no write lock, no fence:
+    the binds that act on it are fenced): the nodes, the quota ledger (the nodes' GPU
+    models from the snapshot, not read again), the projects' names when some project has
+    a quota (only an over-quota message needs them) and the head gang's reservation."""
+    now = ctx.clock.now()
+    with ctx.db.read() as session:
+        snap = snapshot_in(session, now, cache)
+        node_gpus = [(n.id, n.gpus) for n in snap.by_name.values()]
+        ledger = quotas.load_ledger(session, now, node_gpus, snap.holdings)
+        names = quotas.project_names(session) if ledger.quotas else {}
+        held = backfill.head_reservation_in(session, now, snap.nodes)
+    return snap, ledger, names, held
 
 
 def _fair_order(pods: list[LeasedPod], ledger: Ledger,
@@ -507,7 +622,7 @@ _BIND_CHUNK = 1000
 
 def bind_all(ctx: ServiceContext, token: str, binds: list[tuple[LeasedPod, Decision]],
              nodes: dict[str, NodeModel], node_versions: dict[str, int],
-             ) -> tuple[list[str], list[str]]:
+             announce: Announce = notify_nodes) -> tuple[list[str], list[str]]:
     """Write the pass's bindings in one transaction (per chunk) with a few statements, not
     two ORM round trips per pod; returns the pod ids bound and those in conflict.
 
@@ -524,7 +639,7 @@ def bind_all(ctx: ServiceContext, token: str, binds: list[tuple[LeasedPod, Decis
     conflicts: list[str] = []
     for start in range(0, len(binds), _BIND_CHUNK):
         chunk = binds[start:start + _BIND_CHUNK]
-        done, failed = _bind_chunk(ctx, token, chunk, nodes, node_versions)
+        done, failed = _bind_chunk(ctx, token, chunk, nodes, node_versions, announce)
         bound += done
         conflicts += failed
     return bound, conflicts
@@ -539,25 +654,34 @@ def _bind(ctx: ServiceContext, pod: LeasedPod, token: str, decision: Decision,
 
 def _bind_chunk(ctx: ServiceContext, token: str, binds: list[tuple[LeasedPod, Decision]],
                 nodes: dict[str, NodeModel], node_versions: dict[str, int],
-                ) -> tuple[list[str], list[str]]:
+                announce: Announce) -> tuple[list[str], list[str]]:
     now = ctx.clock.now()
     targets = {nodes[_placed_on(d)].id: node_versions[_placed_on(d)] for _, d in binds}
     with ctx.db.transaction() as session:
         connection = session.connection()
         claimed = _claim_nodes(connection, targets)
-        ready = [p for p, d in binds if nodes[_placed_on(d)].id in claimed]
-        held = _take_pods(connection, token, ready)
-        bound = [(p, d) for p, d in binds if p.id in held]
-        conflicts = [p.id for p, _ in binds if p.id not in held]
+        ready = [(p, d) for p, d in binds if nodes[_placed_on(d)].id in claimed]
+        if len(ready) == 1:  # a warm start's one pod: its take and binding, one UPDATE
+            rows = _binding_rows(token, now, ready, nodes)
+            taken = connection.execute(_TAKE_AND_BIND, {**rows[0], "b_version":
+                                                        ready[0][0].version}).rowcount
+            bound = ready if taken == 1 else []
+        else:
+            held = _take_pods(connection, token, [p for p, _ in ready])
+            bound = [(p, d) for p, d in ready if p.id in held]
+            rows = _binding_rows(token, now, bound, nodes)
+            _write_bindings(session, token, now, rows)
+        _after_bindings(session, now, bound, rows, nodes)
+        done = {p.id for p, _ in bound}
+        conflicts = [p.id for p, _ in binds if p.id not in done]
         if conflicts:
             connection.execute(update(_PODS).where(
                 _PODS.c.id.in_(conflicts), _PODS.c.lock_token == token,
             ).values(lock_token=None, lock_expires_at=None))
-        _write_bindings(session, now, token, bound, nodes)
-        for node_id in claimed:
-            on_commit(session, partial(wakeups.ASSIGNMENTS.notify, node_id))
     for name in {_placed_on(d) for _, d in binds if nodes[_placed_on(d)].id in claimed}:
         node_versions[name] += 1
+    if claimed:  # committed (a rollback raised above): their agents may look now
+        announce(sorted(claimed))
     return [p.id for p, _ in bound], conflicts
 
 
@@ -570,8 +694,9 @@ def _claim_nodes(connection: Connection, versions: dict[str, int]) -> set[str]:
     """Guarded bump of each node on its version (see ``claim_node``): the ids claimed."""
     if not versions:
         return set()
-    guard = (tuple_(_NODES.c.id, _NODES.c.version).in_(list(versions.items())),
-             _NODES.c.status == NodeStatus.READY.value, _NODES.c.cordoned.is_(False))
+    pairs, params = row_sources.id_version_in(connection, _NODES.c.id, _NODES.c.version,
+                                              list(versions.items()))
+    guard = (pairs, _NODES.c.status == NodeStatus.READY.value, _NODES.c.cordoned.is_(False))
     # Rows locked in id order (PostgreSQL): two passes claiming overlapping nodes queue
     # instead of deadlocking.
     ordered = select(_NODES.c.id).where(*guard).order_by(_NODES.c.id).with_for_update()
@@ -580,7 +705,7 @@ def _claim_nodes(connection: Connection, versions: dict[str, int]) -> set[str]:
         .where(_NODES.c.id.in_(ordered.scalar_subquery()), *guard)
         .values(version=_NODES.c.version + 1,
                 assignments_revision=_NODES.c.assignments_revision + 1)
-        .returning(_NODES.c.id))
+        .returning(_NODES.c.id), params)
     return {node_id for (node_id,) in rows}
 
 
@@ -589,39 +714,44 @@ def _take_pods(connection: Connection, token: str, pods: list[LeasedPod]) -> set
     then this transaction's until it commits)."""
     if not pods:
         return set()
-    guard = (tuple_(_PODS.c.id, _PODS.c.version).in_([(p.id, p.version) for p in pods]),
-             _PODS.c.lock_token == token, _PODS.c.phase == PodPhase.PENDING.value,
+    pairs, params = row_sources.id_version_in(connection, _PODS.c.id, _PODS.c.version,
+                                              [(p.id, p.version) for p in pods])
+    guard = (pairs, _PODS.c.lock_token == token, _PODS.c.phase == PodPhase.PENDING.value,
              _PODS.c.deleted_at.is_(None))
     ordered = select(_PODS.c.id).where(*guard).order_by(_PODS.c.id).with_for_update()
     rows = connection.execute(
         update(_PODS)
         .where(_PODS.c.id.in_(ordered.scalar_subquery()), *guard)
         .values(version=_PODS.c.version + 1)
-        .returning(_PODS.c.id))
+        .returning(_PODS.c.id), params)
     return {pod_id for (pod_id,) in rows}
 
 
-_WRITE_BINDING = (
-    update(_PODS)
-    .where(_PODS.c.id == bindparam("b_id"), _PODS.c.lock_token == bindparam("b_token"))
-    .values(phase=PodPhase.SCHEDULED.value, node_id=bindparam("b_node_id"),
-            gpu_uuids=bindparam("b_gpu_uuids"), mig_slot=bindparam("b_mig_slot"),
-            mig_device=None, gpu_milli=bindparam("b_gpu_milli"),
-            attempt=_PODS.c.attempt + 1, log_tail=None,
-            volume_node_id=bindparam("b_volume_node_id"), reason="Scheduled",
-            message=bindparam("b_message"), unschedulable=None,
-            updated_at=bindparam("b_now"), nominated_node_id=None,
-            nominated_gpu_milli=None, nominated_until=None, lock_token=None,
-            lock_expires_at=None)
-)
+#: What every binding sets alike (the per-pod values come from its row).
+_BOUND = update(_PODS).where(_PODS.c.lock_token == bindparam("b_token")).values(
+    phase=PodPhase.SCHEDULED.value, mig_device=None, attempt=_PODS.c.attempt + 1,
+    log_tail=None, reason="Scheduled", unschedulable=None, updated_at=bindparam("b_now"),
+    nominated_node_id=None, nominated_gpu_milli=None, nominated_until=None,
+    lock_token=None, lock_expires_at=None)
+#: One statement per binding (an executemany: SQLite) …
+_WRITE_BINDING = _BOUND.where(_PODS.c.id == bindparam("b_id")).values(
+    node_id=bindparam("b_node_id"), gpu_uuids=bindparam("b_gpu_uuids"),
+    mig_slot=bindparam("b_mig_slot"), gpu_milli=bindparam("b_gpu_milli"),
+    volume_node_id=bindparam("b_volume_node_id"), message=bindparam("b_message"))
+#: … or one for a whole chunk, its rows as arrays (PostgreSQL: ``row_sources``).
+_WRITE_BINDINGS = row_sources.bindings_update(_BOUND, _PODS.c.id)
 
 
-def _write_bindings(session: Session, now: datetime, token: str,
-                    bound: list[tuple[LeasedPod, Decision]],
-                    nodes: dict[str, NodeModel]) -> None:
-    """The taken pods' bindings (one executemany) and their Scheduled events (another)."""
-    if not bound:
-        return
+#: A single binding with its pod's guards (``_take_pods`` of one: still as leased, on
+#: its version): the take and the write in one statement, 0 rows when it changed.
+_TAKE_AND_BIND = _WRITE_BINDING.where(
+    _PODS.c.version == bindparam("b_version"), _PODS.c.phase == PodPhase.PENDING.value,
+    _PODS.c.deleted_at.is_(None)).values(version=_PODS.c.version + 1)
+
+
+def _binding_rows(token: str, now: datetime, bound: list[tuple[LeasedPod, Decision]],
+                  nodes: dict[str, NodeModel]) -> list[dict[str, Any]]:
+    """The parameters of each binding's UPDATE (``_WRITE_BINDING``)."""
     rows = []
     for pod, decision in bound:
         assert decision.placement is not None
@@ -634,9 +764,24 @@ def _write_bindings(session: Session, now: datetime, token: str,
             "b_mig_slot": _mig_slot(decision.placement), "b_gpu_milli": gpu_milli,
             "b_volume_node_id": node.id if pod.volume_bytes is not None else None,
             "b_message": f"bound to {node.name}", "b_now": now})
-    written = session.connection().execute(_WRITE_BINDING, rows).rowcount
+    return rows
+
+
+def _write_bindings(session: Session, token: str, now: datetime,
+                    rows: list[dict[str, Any]]) -> None:
+    """The taken pods' bindings (one executemany, or one statement on PostgreSQL)."""
+    if not rows:
+        return
+    written = _write_rows(session.connection(), token, now, rows)
     if written != len(rows):  # the rows are held since _take_pods: cannot happen
         raise RuntimeError(f"bound {written} of {len(rows)} taken pods")
+
+
+def _after_bindings(session: Session, now: datetime, bound: list[tuple[LeasedPod, Decision]],
+                    rows: list[dict[str, Any]], nodes: dict[str, NodeModel]) -> None:
+    """What follows the bound pods' bindings: volume moves, their Scheduled events."""
+    if not bound:
+        return
     for pod, decision in bound:
         if pod.volume_bytes is not None:
             migration.on_bind(session, pod.id, nodes[_placed_on(decision)].id)
@@ -644,6 +789,20 @@ def _write_bindings(session: Session, now: datetime, token: str,
         {"pod_id": row["b_id"], "time": now, "reason": "Scheduled",
          "message": row["b_message"], "from_phase": PodPhase.PENDING.value,
          "to_phase": PodPhase.SCHEDULED.value} for row in rows])
+
+
+def _write_rows(connection: Connection, token: str, now: datetime,
+                rows: list[dict[str, Any]]) -> int:
+    """The bindings' UPDATEs: one with arrays on PostgreSQL, else an executemany."""
+    if not row_sources.arrays(connection):
+        return connection.execute(_WRITE_BINDING, rows).rowcount
+    columns = {name: [row[f"b_{name}"] for row in rows]
+               for name, _ in row_sources.BINDING_COLUMNS}
+    columns["gpu_uuids"] = [json.dumps(value) for value in columns["gpu_uuids"]]
+    columns["gpu_milli"] = [json.dumps(value) for value in columns["gpu_milli"]]
+    params = {f"b_{name}": values for name, values in columns.items()}
+    return connection.execute(_WRITE_BINDINGS, {**params, "b_token": token,
+                                                "b_now": now}).rowcount
 
 
 def _mig_slot(placement: Placement) -> int | None:
@@ -692,6 +851,8 @@ def _release_lock(ctx: ServiceContext, pod: LeasedPod, token: str) -> None:
 def _mark_over_quota(ctx: ServiceContext, token: str,
                      over: list[tuple[LeasedPod, str]]) -> None:
     """Keep over-quota pods Pending with the reason; an event when it is new."""
+    if not over:
+        return  # no write transaction (SQLite's write lock, the leader's fence) for nothing
     now = ctx.clock.now()
     with ctx.db.transaction() as session:
         for pod, message in over:

@@ -189,11 +189,21 @@ def pull_credentials(session: Session, row: ContainerSpecColumns,
         RegistryAuthModel.name == row.registry_auth))
     if auth is None:
         return None
-    if auth.registry_host is not None and (
-            _canonical_host(parse_reference(row.image).registry)
-            != _canonical_host(auth.registry_host)):
+    return credentials_for(row, auth.registry_host, auth.username, auth.password)
+
+
+def credentials_for(row: ContainerSpecColumns, registry_host: str | None,
+                    username: str | None, password: str | None) -> tuple[str, str] | None:
+    """``pull_credentials`` from the login ``row.registry_auth`` names, already read (the
+    assignments join its columns to their pods; no username: no such login): None for
+    none, or for another registry's."""
+    if username is None or password is None:
         return None
-    return auth.username, auth.password
+    if registry_host is not None and (
+            _canonical_host(parse_reference(row.image).registry)
+            != _canonical_host(registry_host)):
+        return None
+    return username, password
 
 
 def _canonical_host(host: str) -> str:

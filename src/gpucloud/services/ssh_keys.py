@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import asyncssh
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -14,6 +14,7 @@ from gpucloud.core.access import SshKeyAddRequest, SshKeyOut
 from gpucloud.core.errors import InvalidInput, NotFound
 from gpucloud.db.models import SshKeyModel
 from gpucloud.services.context import ServiceContext, new_id
+from gpucloud.services.pods import bump_project_nodes
 from gpucloud.services.projects import Principal
 
 #: Key types accepted, as OpenSSH names them; certificates and DSA are refused.
@@ -98,6 +99,7 @@ def add_key(ctx: ServiceContext, caller: Principal, request: SshKeyAddRequest) -
             if existing is not None:
                 raise _duplicate_error(existing.name, parsed.fingerprint)
             session.add(row)
+            bump_project_nodes(session, caller.project_id)  # their PUBLIC_KEY changed
     except IntegrityError:  # a concurrent add of the same key won the unique index
         raise _duplicate_error(name, parsed.fingerprint) from None
     return _out(row)
@@ -122,6 +124,7 @@ def remove_key(ctx: ServiceContext, caller: Principal, ref: str) -> SshKeyOut:
             raise NotFound(f"ssh key {ref!r} not found")
         out = _out(row)
         session.delete(row)
+        bump_project_nodes(session, caller.project_id)
         return out
 
 
@@ -132,13 +135,17 @@ def project_key_lines(session: Session, project_id: str) -> list[str]:
                                 .order_by(SshKeyModel.created_at, SshKeyModel.id)))
 
 
+#: ``public_keys``' query, built once (every assignments answer runs it).
+_PUBLIC_KEYS = (select(SshKeyModel.project_id, SshKeyModel.public_key)
+                .where(SshKeyModel.project_id.in_(bindparam("projects", expanding=True)))
+                .order_by(SshKeyModel.created_at, SshKeyModel.id))
+
+
 def public_keys(session: Session, project_ids: set[str]) -> dict[str, str]:
     """``PUBLIC_KEY`` of each project that has keys: its lines joined by newlines."""
     if not project_ids:
         return {}
-    rows = session.execute(select(SshKeyModel.project_id, SshKeyModel.public_key)
-                           .where(SshKeyModel.project_id.in_(project_ids))
-                           .order_by(SshKeyModel.created_at, SshKeyModel.id))
+    rows = session.execute(_PUBLIC_KEYS, {"projects": sorted(project_ids)})
     lines: dict[str, list[str]] = {}
     for project_id, line in rows:
         lines.setdefault(project_id, []).append(line)

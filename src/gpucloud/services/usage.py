@@ -41,6 +41,9 @@ from gpucloud.services.fencing import check_token
 LOAD_WINDOW_SECONDS = 180.0
 LOAD_HALF_LIFE_SECONDS = 30.0
 _KEYS_PER_QUERY = 400
+#: Samples per INSERT where ingest may pause between statements (``ingest``'s between):
+#: a few milliseconds of one backend's work, the longest a paused batch runs on.
+PAUSE_ROWS = 100
 #: SQLite's default limit is 32,766 bound variables per statement; 15 a row.
 _SQLITE_ROWS = 2000
 _SAMPLES = Base.metadata.tables[UsageSampleModel.__tablename__]
@@ -74,22 +77,38 @@ _NO_GPUS = "[]"
 
 
 def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest,
-           before_commit: Callable[[Session], None] | None = None) -> AgentUsageBatchOut:
+           before_commit: Callable[[Session], None] | None = None,
+           between: Callable[[], None] | None = None) -> AgentUsageBatchOut:
     """Store a node's samples; all or nothing (a refused batch stores none).
-    ``before_commit`` runs last in the transaction (api/usage_worker.py: the commit mode)."""
+    ``before_commit`` runs last in the transaction (api/usage_worker.py: the commit mode).
+    ``between`` runs before each statement of the batch and before the commit, and the
+    samples are then inserted ``PAUSE_ROWS`` at a time (api/usage_worker.py pauses there
+    while API calls run: between statements a backend holds no lightweight lock, so a
+    batch paused mid-way stalls no create; its transaction stays all or nothing)."""
     now = ctx.clock.now()
     samples = _unique(batch.samples)
     _check_times(batch.samples, now)
+    pause = between if between is not None else _no_pause
     with ctx.db.transaction() as session:
         name, token = session.execute(
             select(NodeModel.name, NodeModel.fencing_token).where(NodeModel.id == node_id)
         ).one()
         check_token(token, batch.fencing_token)
+        pause()
         _check_belongs(session, node_id, str(name), {(s.pod_id, s.attempt) for s in samples})
-        accepted = _insert(session, node_id, samples, now)
+        step = PAUSE_ROWS if between is not None else max(1, len(samples))
+        accepted = 0
+        for start in range(0, len(samples), step):
+            pause()
+            accepted += _insert(session, node_id, samples[start:start + step], now)
+        pause()
         if before_commit is not None:
             before_commit(session)
     return AgentUsageBatchOut(accepted=accepted, duplicates=len(batch.samples) - accepted)
+
+
+def _no_pause() -> None:
+    """``ingest`` without pauses: the whole batch in one INSERT."""
 
 
 def _unique(samples: Sequence[UsageSample]) -> list[UsageSample]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
-from sqlalchemy import delete, select
+from sqlalchemy import bindparam, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -156,18 +157,31 @@ def _by_name(session: Session, project_id: str, name: str) -> VolumeModel | None
                                                     VolumeModel.name == name))
 
 
-def mounts_for_node(ctx: ServiceContext, session: Session, project_id: str,
-                    mounts: list[dict[str, str]] | None,
-                    volume_mode: str | None) -> list[NetworkVolumeMount]:
-    """What an agent needs to mount a pod's network volumes its way. ``source`` is the
-    volume's directory on the server's machine in both modes; an ``nfs`` node mounts
-    ``<server host>:<source>`` from the export of ``Settings.home/volumes``."""
-    out = []
-    for mount in mounts or []:
-        row = _by_name(session, project_id, mount["name"])
+#: The volumes of some projects by name (``mounts_for_pods``), built once.
+_VOLUMES_NAMED = select(VolumeModel).where(
+    VolumeModel.project_id.in_(bindparam("projects", expanding=True)),
+    VolumeModel.name.in_(bindparam("names", expanding=True)))
+
+
+def mounts_for_pods(ctx: ServiceContext, session: Session, pods: Iterable[PodModel],
+                    volume_mode: str | None) -> dict[str, list[NetworkVolumeMount]]:
+    """What an agent needs to mount its pods' network volumes its way, by pod id (the
+    volumes of all of them read at once). ``source`` is the volume's directory on the
+    server's machine in both modes; an ``nfs`` node mounts ``<server host>:<source>``
+    from the export of ``Settings.home/volumes``."""
+    wanted = [(pod, mount) for pod in pods for mount in pod.network_volumes or []]
+    if not wanted:
+        return {}
+    rows = session.scalars(_VOLUMES_NAMED, {
+        "projects": sorted({pod.project_id for pod, _ in wanted}),
+        "names": sorted({mount["name"] for _, mount in wanted})})
+    found = {(row.project_id, row.name): row for row in rows}
+    out: dict[str, list[NetworkVolumeMount]] = {}
+    for pod, mount in wanted:
+        row = found.get((pod.project_id, mount["name"]))
         if row is None:
             continue  # deleted under a stopped pod; start_pod refuses to start it
-        out.append(NetworkVolumeMount(
+        out.setdefault(pod.id, []).append(NetworkVolumeMount(
             name=row.name, volume_id=row.id, path=mount["path"],
             mode=volume_mode or HOSTPATH, source=str(volume_dir(ctx, row.id)),
             size_bytes=row.size_bytes))

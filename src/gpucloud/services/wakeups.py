@@ -1,11 +1,14 @@
 """In-process wake-ups for long polls: an agent's assignment poll returns as soon as a
-transaction in this process that changed its node's assignments commits.
+transaction in this process that changed its node's assignments commits, and a waiting
+read of a pod's log (``GET /v1/pods/{id}/logs?wait=``) as soon as a chunk of it is stored.
 
 The durable signal stays the node's ``assignments_revision`` column, which the long poll
 still re-reads every few seconds (``api/routers/agent.POLL_SECONDS``) as the fallback. A
 change committed on another server replica arrives here too, as a hint: ``notify`` also
 publishes it, and that replica's ``LISTEN/NOTIFY`` bridge (services/notify.py) calls
-``notify_local``. Keys are node ids.
+``notify_local``. Keys are node ids (``ASSIGNMENTS``) and pod ids (``LOGS``); a log
+reader's durable signal is the stored log itself, re-read every
+``Settings.log_wait_recheck_seconds``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+
+from gpucloud.core.trace import mark
 
 
 class Wakeups:
@@ -56,6 +61,7 @@ class Wakeups:
         """Wake the listeners of ``key`` in this process only."""
         with self._lock:
             waiters = list(self._waiters.get(key, ()))
+        mark("wakeups.notify", key=key, listeners=len(waiters))
         for loop, woken in waiters:
             with suppress(RuntimeError):  # the listener's loop has closed: nothing to wake
                 loop.call_soon_threadsafe(woken.set)
@@ -80,3 +86,6 @@ async def wait(woken: asyncio.Event, timeout: float) -> bool:
 
 #: Node id -> the agent's assignment long polls in this process.
 ASSIGNMENTS = Wakeups()
+
+#: Pod id -> the waiting reads of its log in this process (api/routers/pods.py).
+LOGS = Wakeups()

@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -136,3 +136,100 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@dataclasses.dataclass
+class ControlledProxy:
+    """A loopback proxy to a registry whose blob requests a test can steer, for the lazy
+    tests: ``hold`` (blob digests whose requests wait until ``gate`` is set; ``arrived`` is
+    set when one is waiting), ``ignore_range`` (decides per request whether the ``Range``
+    header is dropped, so the registry answers ``200`` with the whole blob), and a log
+    of every blob request (method, digest, the Range asked for, the status answered)."""
+
+    upstream: str
+    hold: set[str] = dataclasses.field(default_factory=set)
+    gate: threading.Event = dataclasses.field(default_factory=threading.Event)
+    arrived: threading.Event = dataclasses.field(default_factory=threading.Event)
+    ignore_range: Callable[[str, int], bool] | None = None
+    """Called with (digest, how many ranged GETs of it came before); True: drop Range."""
+    log: list[tuple[str, str, str, int]] = dataclasses.field(default_factory=list)
+    port: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _http: httpx.Client = dataclasses.field(default_factory=lambda: httpx.Client(timeout=60))
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def ranged_gets(self, digest: str) -> list[tuple[str, int]]:
+        """(Range asked for, status answered) of the GETs of ``digest`` that had a Range."""
+        with self._lock:
+            return [(r, s) for m, d, r, s in self.log if m == "GET" and d == digest and r]
+
+    @classmethod
+    @contextmanager
+    def running(cls, upstream: str) -> Iterator[ControlledProxy]:
+        proxy = cls(upstream)
+        handler = type("Handler", (_ControlledHandler,), {"proxy": proxy})
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        proxy.port = int(server.server_address[1])
+        try:
+            yield proxy
+        finally:
+            proxy.gate.set()  # nothing stays held past the test
+            server.shutdown()
+            server.server_close()
+            proxy._http.close()
+
+
+class _ControlledHandler(http.server.BaseHTTPRequestHandler):
+    proxy: ControlledProxy
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._forward("GET")
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._forward("HEAD")
+
+    def _forward(self, method: str) -> None:
+        proxy = self.proxy
+        last = self.path.rsplit("/", 1)[-1]
+        digest = last if "/blobs/" in self.path else ""
+        asked = self.headers.get("Range", "")
+        if digest in proxy.hold:
+            proxy.arrived.set()
+            proxy.gate.wait(60)
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in ("host", "connection")}
+        if digest and asked and method == "GET" and proxy.ignore_range is not None:
+            before = len(proxy.ranged_gets(digest))
+            if proxy.ignore_range(digest, before):
+                headers = {k: v for k, v in headers.items() if k.lower() != "range"}
+        with proxy._http.stream(method, f"http://{proxy.upstream}{self.path}",
+                                headers=headers) as response:
+            with proxy._lock:
+                proxy.log.append((method, digest, asked, response.status_code))
+            self.send_response(response.status_code)
+            for key, value in response.headers.items():
+                if key.lower() not in ("transfer-encoding", "connection", "date"):
+                    self.send_header(key, value)
+            if "content-length" not in response.headers:
+                body = response.read()
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body if method == "GET" else b"")
+                return
+            self.end_headers()
+            if method == "GET":
+                try:
+                    for part in response.iter_raw():
+                        self.wfile.write(part)
+                except (BrokenPipeError, ConnectionResetError):
+                    return  # the client had what it wanted (a 200 cut short)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass

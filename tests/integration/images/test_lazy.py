@@ -410,3 +410,26 @@ def test_rangeless_registry_falls_back_to_the_full_pull(registry: Registry,
         finally:
             images.release_rootfs(tmp_path / "bundle")
             client.shutdown()
+
+
+def test_xattrs_are_served_only_by_layers_that_have_them(registry: Registry, tmp_path: Path,
+                                                         lazyfs: LazyfsClient) -> None:
+    """A layer without xattrs leaves getxattr to libfuse (ENOSYS: the kernel stops asking
+    and answers EOPNOTSUPP, which overlayfs takes as none); one with an opaque directory
+    serves ``trusted.overlay.opaque`` and ENODATA for the rest. Files read the same (no
+    ``open`` callback either: the read finds its node by path)."""
+    lazy, toc = _push(registry, tmp_path, "lazy-plain")
+    plain = _mount(lazyfs, registry.host, "lazy-plain", lazy, toc)
+    for _ in range(2):  # the second ask is the kernel's own answer
+        with pytest.raises(OSError) as exc:
+            os.getxattr(plain / "etc/hello.txt", "trusted.overlay.opaque")
+        assert exc.value.errno == errno.EOPNOTSUPP
+    assert (plain / "etc/hello.txt").read_text() == "hello from a lazy layer\n"
+    opaque_files: dict[str, bytes | str | object] = {"d/.wh..wh..opq": b"", "d/x": "x\n"}
+    lazy, toc = _push(registry, tmp_path, "lazy-opaque", [opaque_files])
+    mnt = _mount(lazyfs, registry.host, "lazy-opaque", lazy, toc)
+    assert os.getxattr(mnt / "d", "trusted.overlay.opaque") == b"y"
+    with pytest.raises(OSError) as exc:
+        os.getxattr(mnt / "d/x", "trusted.overlay.opaque")
+    assert exc.value.errno == errno.ENODATA
+    assert (mnt / "d/x").read_text() == "x\n"

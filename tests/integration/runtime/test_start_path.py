@@ -4,6 +4,8 @@ container in such a namespace created and started by one ``runc run --detach``."
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from gpucloud.core.models import AssignmentOut
 from gpucloud.core.phases import PodPhase
 from gpucloud.runtime.bundle import ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import ContainerState, RuncDriver
+from gpucloud.runtime.layout import read_json
 from tests.integration.runtime.runc_testing import RUNC, cleanup, wait_until
 
 pytestmark = pytest.mark.root
@@ -91,3 +94,58 @@ def test_a_container_in_an_agent_namespace_runs_with_one_runc_run(
     finally:
         cleanup(driver)
         network.detach("c3-1")
+
+
+def _spares(driver: RuncDriver) -> set[int]:
+    """The zygote's spare supervisors: live processes with its command line, but not it,
+    and not yet in a container's directory."""
+    assert driver.zygote is not None
+    if driver.zygote._process is None:
+        return set()  # not started yet (``prestart`` starts it on a thread)
+    zygote = driver.zygote._process.pid
+    cmdline = Path(f"/proc/{zygote}/cmdline").read_bytes()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == zygote:
+            continue
+        try:
+            same = (entry / "cmdline").read_bytes() == cmdline
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue  # gone meanwhile
+        if same and state != "Z" and cwd == "/":
+            found.add(int(entry.name))
+    return found
+
+
+def test_an_idle_zygote_hands_the_next_start_to_a_supervisor_made_ahead(
+        driver: RuncDriver, busybox_rootfs: Path) -> None:
+    """The start is served by the spare the zygote made while idle (it supervises the
+    container); a spare that died is replaced by a fork for that start; the spare ends
+    with the zygote."""
+    driver.prestart()
+    wait_until(lambda: len(_spares(driver)) == 1, what="a spare supervisor")
+    (spare,) = _spares(driver)
+    for cid in ("c4-1", "c5-1"):
+        driver.build(ContainerSpec(cid, "c4", command=("echo", "hi")), busybox_rootfs,
+                     ImageConfig())
+    driver.start("c4-1")
+    assert read_json(driver.paths("c4-1").supervisor_pid) == spare
+    info = driver.wait("c4-1", timeout=20)
+    assert info is not None and info.exit_code == 0
+    assert driver.log_path("c4-1").read_text() == "hi\n"
+
+    wait_until(lambda: bool(_spares(driver) - {spare}), what="the next spare")
+    (dead,) = _spares(driver) - {spare}
+    os.kill(dead, signal.SIGKILL)
+    wait_until(lambda: dead not in _spares(driver), what="the spare to die")
+    driver.start("c5-1")  # handed to no one: forked for, as without a spare
+    assert read_json(driver.paths("c5-1").supervisor_pid) not in (spare, dead)
+    info = driver.wait("c5-1", timeout=20)
+    assert info is not None and info.exit_code == 0
+
+    wait_until(lambda: bool(_spares(driver)), what="a spare after the fork")
+    assert driver.zygote is not None
+    driver.zygote.close()
+    wait_until(lambda: not _spares(driver), what="the spare to end with the zygote")

@@ -200,3 +200,55 @@ def test_backoff_gives_up_after_its_attempts(world: tuple[World, str]) -> None:
     with pytest.raises(RegistryUnavailable, match="HTTP 503"):
         fetcher.fetch(0, 100)
     assert sleeps == [0.5, 1.0, 2.0]  # 4 attempts, 3 waits
+
+
+class _KeepAliveBlob(BaseHTTPRequestHandler):
+    """Serves BLOB's ranges over HTTP/1.1 keep-alive and counts the TCP connections."""
+
+    protocol_version = "HTTP/1.1"
+    connections: list[int]
+    long_body: bool = False
+
+    def setup(self) -> None:
+        super().setup()
+        self.connections.append(1)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        start, end = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+        body = BLOB[start : end + 1 + (10 if self.long_body else 0)]
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end}/{len(BLOB)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(BLOB)))
+        self.end_headers()
+
+
+@pytest.mark.parametrize("long_body", [False, True])
+def test_range_responses_reuse_one_connection(long_body: bool) -> None:
+    """A 206 is read to its end so its connection goes back to the pool: a chunk fetch
+    must not pay a new TCP (TLS, at a real registry) handshake. A body longer than the
+    range asked for is cut to the range, and its connection is not reused."""
+    connections: list[int] = []
+    handler = type("H", (_KeepAliveBlob,), {"connections": connections, "long_body": long_body})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}{PATH}"
+        with httpx.Client() as registry, httpx.Client() as storage:
+            fetcher = RangeFetcher(registry, storage, url, len(BLOB))
+            for start in range(0, 40000, 8000):
+                assert fetcher.fetch(start, start + 8000) == BLOB[start : start + 8000]
+        # One for the HEAD and every range; a longer body: the HEAD's connection serves
+        # the first range and is closed after it, then one connection per range.
+        assert len(connections) == (5 if long_body else 1)
+    finally:
+        server.shutdown()
+        server.server_close()

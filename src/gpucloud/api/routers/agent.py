@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import datetime
 from functools import partial
 
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from gpucloud.api import lease_capacity, usage_admission
+from gpucloud.api import lease_capacity, register_capacity, usage_admission
 from gpucloud.api.deps import Ctx, NodeCredential, NodeId, NodeToken
 from gpucloud.core.jobs import AgentPodReadyRequest
 from gpucloud.core.models import (
@@ -22,7 +23,8 @@ from gpucloud.core.models import (
     NodeRegisterRequest,
     NodeRegisterResponse,
 )
-from gpucloud.core.phases import PodPhase
+from gpucloud.core.phases import TERMINAL_PHASES, PodPhase
+from gpucloud.core.trace import mark
 from gpucloud.core.usage import AgentUsageBatchOut
 from gpucloud.services import (
     agent,
@@ -48,13 +50,28 @@ def _wake(request: Request) -> None:
         runner.wake()
 
 
-@router.post("/register", status_code=201,
-             responses={401: {"model": ErrorOut, "description": "An unknown or used join token"}})
-def register(body: NodeRegisterRequest, ctx: Ctx, request: Request) -> NodeRegisterResponse:
-    """A refused join token counts against the caller's address (ratelimit.py)."""
+@router.post("/register", status_code=201, responses={
+    401: {"model": ErrorOut, "description": "An unknown or used join token"},
+    503: {"model": ErrorOut, "description": "Too many registrations under way, or this one "
+                                            "waited too long in a busy server: nothing was "
+                                            "done; register again after Retry-After"}})
+async def register(body: NodeRegisterRequest, ctx: Ctx,
+                   request: Request) -> NodeRegisterResponse:
+    """A refused join token counts against the caller's address (ratelimit.py).
+
+    On threads of its own, a few at once and a bounded queue (api/register_capacity.py):
+    long polls and renewals cannot starve registrations, excess is refused at once (503 +
+    Retry-After), and one that waited longer than its agent waits is refused, or rolled
+    back before its commit, not done for an agent that has given it up."""
+    received_at = ctx.clock.now()
     keys = ratelimit.api_keys(request.client.host if request.client else None,
                               body.join_token)
-    response = auth_guard.authenticated(ctx, keys, partial(nodes.register_node, ctx, body))
+
+    def work(before_commit: Callable[[], None]) -> NodeRegisterResponse:
+        return auth_guard.authenticated(
+            ctx, keys, partial(nodes.register_node, ctx, body, before_commit))
+
+    response = await register_capacity.run(ctx, received_at, work)
     _wake(request)
     return response
 
@@ -98,11 +115,12 @@ async def assignments(ctx: Ctx, credential: NodeToken,
     wakes the poll at once (``wakeups``), and so does one committed on another replica
     (its ``LISTEN/NOTIFY`` hint, services/notify.py); the fallback for a lost hint is one
     query per process every ``POLL_SECONDS`` that reads the revisions of all waiting nodes
-    at once (services/revision_watch.py). A woken poll re-reads the revision only; the
-    full answer is built when it moved, and a poll that ends on an unchanged revision gets
-    the answer kept for it (``assignment_answers``). The first read comes before the
-    poll listens (it finds the node); a change committed in that instant is caught by
-    the watcher, which wakes a node whose revision moved since it last looked.
+    at once (services/revision_watch.py), and wakes only nodes whose revision moved. A
+    woken poll builds the full answer at once (returned if its revision moved, else the
+    poll waits on), and a poll that ends on an unchanged revision gets the answer kept
+    for it (``assignment_answers``). The first read comes before the poll listens (it
+    finds the node); a change committed in that instant is caught by the watcher, which
+    wakes a node whose revision moved since it last looked.
     """
     deadline = time.monotonic() + wait
     node_id, current = await run_in_threadpool(
@@ -117,17 +135,33 @@ async def assignments(ctx: Ctx, credential: NodeToken,
                     break
             waited = True
             revision_watch.watcher(ctx, lambda: POLL_SECONDS)
-            await wakeups.wait(woken, max(0.0, deadline - time.monotonic()))
+            if await wakeups.wait(woken, max(0.0, deadline - time.monotonic())):
+                # Woken: a change was committed for this node (a bind, a stop), so the
+                # answer is built at once, in one hop, not after a re-read of the revision
+                # that nearly always finds it moved; a wake-up for nothing (a bind that
+                # lost its race) waits on.
+                mark("poll.woken")
+                out = await run_in_threadpool(assignment_answers.ANSWERS.answer, ctx,
+                                              node_id, None)
+                mark("poll.answer.built", revision=out.revision, pods=len(out.pods))
+                if out.revision != revision:
+                    return out
     unchanged = current if waited and current == revision else None
-    return await run_in_threadpool(assignment_answers.ANSWERS.answer, ctx, node_id, unchanged)
+    mark("poll.answering", revision=current, changed=unchanged is None)
+    out = await run_in_threadpool(assignment_answers.ANSWERS.answer, ctx, node_id, unchanged)
+    mark("poll.answer.built", revision=out.revision, pods=len(out.pods))
+    return out
 
 
 @router.post("/pods/{pod_id}/status")
 def pod_status(pod_id: str, body: AgentPodStatusRequest, ctx: Ctx, node_id: NodeId,
                request: Request) -> dict[str, str]:
     phase = agent.report_status(ctx, node_id, pod_id, body)
+    mark("server.status.committed", pod=pod_id, phase=body.phase.value)
     if phase is PodPhase.PENDING:
         _wake(request)
+    if phase in TERMINAL_PHASES:  # its log's followers wait no more: nothing will come
+        wakeups.LOGS.notify(pod_id)
     return {"phase": phase.value}
 
 
@@ -143,7 +177,12 @@ def pod_ready(pod_id: str, body: AgentPodReadyRequest, ctx: Ctx, node_id: NodeId
 @router.post("/pods/{pod_id}/logs")
 def pod_logs(pod_id: str, body: AgentLogChunkRequest, ctx: Ctx,
              node_id: NodeId) -> dict[str, int]:
-    return {"next_offset": agent.append_log(ctx, node_id, pod_id, body)}
+    mark("server.log.received", pod=pod_id)
+    end = agent.append_log(ctx, node_id, pod_id, body)
+    mark("server.log.committed", pod=pod_id, end=end)
+    if body.data:  # committed: the waiting reads of the pod's log re-read it now
+        wakeups.LOGS.notify(pod_id)
+    return {"next_offset": end}
 
 
 @router.post("/usage", response_model=AgentUsageBatchOut,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from functools import partial
+
 from fastapi import APIRouter, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from gpucloud.api.deps import Caller, Ctx
 from gpucloud.core.models import (
@@ -14,9 +18,13 @@ from gpucloud.core.models import (
     PodWhyOut,
 )
 from gpucloud.core.phases import PodPhase
-from gpucloud.services import pods
+from gpucloud.core.trace import mark
+from gpucloud.services import pods, wakeups
 
 router = APIRouter(prefix="/v1/pods", tags=["pods"])
+#: The longest ``?wait=`` of a log read (the server may hold it less:
+#: ``Settings.log_wait_max_seconds``).
+MAX_LOG_WAIT_SECONDS = 30.0
 
 
 def _wake_scheduler(request: Request) -> None:
@@ -28,6 +36,7 @@ def _wake_scheduler(request: Request) -> None:
 @router.post("", status_code=201, response_model=PodOut)
 def create_pod(body: PodCreateRequest, ctx: Ctx, caller: Caller, request: Request) -> Response:
     pod = pods.create_pod(ctx, caller, body)
+    mark("server.create.committed", pod=pod.id)
     _wake_scheduler(request)
     # Serialized once here; returning the model would validate it a second time.
     return Response(pod.model_dump_json(), status_code=201, media_type="application/json")
@@ -55,10 +64,46 @@ def pod_why(ref: str, ctx: Ctx, caller: Caller) -> PodWhyOut:
 
 
 @router.get("/{ref}/logs")
-def pod_logs(ref: str, ctx: Ctx, caller: Caller, offset: int = Query(default=0, ge=0),
-             tail: int | None = Query(default=None, ge=0),
-             attempt: int | None = Query(default=None, ge=0)) -> PodLogsOut:
-    return pods.read_logs(ctx, caller, ref, offset, tail, attempt)
+async def pod_logs(
+    ref: str, ctx: Ctx, caller: Caller, offset: int = Query(default=0, ge=0),
+    tail: int | None = Query(default=None, ge=0),
+    attempt: int | None = Query(default=None, ge=0),
+    wait: float = Query(default=0, ge=0, le=MAX_LOG_WAIT_SECONDS, description=(
+        "Seconds to wait for output past `offset` (0 to 30; 0: answer at once). The read "
+        "answers as soon as there is some, the pod has finished, or a newer attempt than "
+        "`attempt` began; else with no text once the wait is over.")),
+) -> PodLogsOut:
+    """The pod's output from byte ``offset`` (see ``pods.read_logs``); with ``wait``, a
+    long poll for the next output.
+
+    An async route that holds no thread while it waits: each read is one short read in the
+    threadpool, and the wait is ``wakeups.LOGS`` of the pod, which the log ingest notifies
+    after its commit (api/routers/agent.py) here and, through the ``LISTEN/NOTIFY``
+    bridge, on the other replicas (services/notify.py). A wake-up is a hint: the log is
+    re-read at least every ``Settings.log_wait_recheck_seconds`` too. The first read finds
+    the pod's id; the wait listens before each re-read, so a chunk stored meanwhile wakes
+    it.
+    """
+    deadline = time.monotonic() + min(wait, ctx.settings.log_wait_max_seconds)
+    read = partial(pods.read_logs_of, ctx, caller, ref, offset, tail, attempt)
+    pod_id, out = await run_in_threadpool(read)
+    if _news(out, attempt) or deadline <= time.monotonic():
+        return out
+    with wakeups.LOGS.listen(pod_id) as woken:
+        while True:
+            woken.clear()  # before the read: what is stored during it sets it again
+            _, out = await run_in_threadpool(read)
+            left = deadline - time.monotonic()
+            if _news(out, attempt) or left <= 0:
+                return out
+            if await wakeups.wait(woken, min(left, ctx.settings.log_wait_recheck_seconds)):
+                mark("server.logs.woken", pod=pod_id)
+
+
+def _news(out: PodLogsOut, attempt: int | None) -> bool:
+    """Whether a waiting read answers now: output past the offset, a pod that finished (no
+    more will come), or an attempt newer than the caller's (it follows that one next)."""
+    return bool(out.text) or out.finished or (attempt is not None and out.attempt != attempt)
 
 
 @router.post("/{ref}/stop")

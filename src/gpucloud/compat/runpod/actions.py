@@ -8,7 +8,6 @@ which no service changes after creation.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,7 +18,7 @@ from gpucloud.compat.runpod import mapping
 from gpucloud.core.access import SshKeyAddRequest, VolumeCreateRequest, VolumeOut
 from gpucloud.core.errors import Conflict, InvalidInput, NotFound
 from gpucloud.core.models import PodOut
-from gpucloud.core.phases import TERMINAL_PHASES
+from gpucloud.core.phases import TERMINAL_PHASES, PodPhase
 from gpucloud.core.spec import RegistryAuthAddRequest, RegistryAuthOut
 from gpucloud.db.models import PodModel
 from gpucloud.services import pods, registry_auths, ssh_keys, volumes
@@ -29,9 +28,6 @@ from gpucloud.services.projects import Principal
 
 #: A restart's stop gives the container this long after SIGTERM (``docker restart``'s 10 s).
 RESTART_GRACE_SECONDS = 10.0
-#: How long a restart waits, beyond the grace, for the agent to report the pod stopped.
-RESTART_SLACK_SECONDS = 20.0
-_POLL_SECONDS = 0.1
 _R = TypeVar("_R", bound=BaseModel)
 
 
@@ -40,8 +36,8 @@ _R = TypeVar("_R", bound=BaseModel)
 
 def run_action(ctx: ServiceContext, caller: Principal, ref: str, action: str,
                wake: Callable[[], None]) -> PodOut | None:
-    """``start``, ``stop``, ``restart``/``reset`` (in place, :func:`restart_pod`),
-    ``terminate`` (None: deleted)."""
+    """``start``, ``stop``, ``restart``/``reset`` (in place, answered at once:
+    :func:`restart_pod`), ``terminate`` (None: deleted)."""
     if action == "stop":
         return pods.stop_pod(ctx, caller, ref)
     if action == "terminate":
@@ -56,31 +52,15 @@ def run_action(ctx: ServiceContext, caller: Principal, ref: str, action: str,
 
 def restart_pod(ctx: ServiceContext, caller: Principal, ref: str,
                 wake: Callable[[], None]) -> PodOut:
-    """Stop the pod (SIGTERM, :data:`RESTART_GRACE_SECONDS`, SIGKILL), wait for its agent
-    to report it stopped, then start the same pod again: its volume disk (kept on its
-    node, where it is placed again) and network volumes stay. An ended pod just starts.
-
-    The wait is a poll of the pod's row with a deadline (its agent, not a clock, decides
-    when it has stopped). Past the deadline the pod is left stopping and the caller gets
-    a 409 saying so; starting it later completes the restart.
-    """
-    pod = pods.get_pod(ctx, caller, ref)
-    if pod.phase not in TERMINAL_PHASES:
-        pods.stop_pod(ctx, caller, pod.id, grace_seconds=RESTART_GRACE_SECONDS)
-        _wait_stopped(ctx, caller, pod.id, pod.name)
-    started = pods.start_pod(ctx, caller, pod.id)
-    wake()
-    return started
-
-
-def _wait_stopped(ctx: ServiceContext, caller: Principal, pod_id: str, name: str) -> None:
-    limit = RESTART_GRACE_SECONDS + RESTART_SLACK_SECONDS
-    deadline = time.monotonic() + limit
-    while pods.get_pod(ctx, caller, pod_id).phase not in TERMINAL_PHASES:
-        if time.monotonic() >= deadline:
-            raise Conflict(f"pod {name!r} was asked to stop for the restart and has not "
-                           f"stopped within {limit:g} s; start it once it has stopped")
-        time.sleep(_POLL_SECONDS)
+    """Restart in place (services/pods.restart_pod), answering at once with the pod as it
+    is: a running one is ``RESTARTING`` while its agent stops it (SIGTERM,
+    :data:`RESTART_GRACE_SECONDS`, SIGKILL); the server starts the same pod again when
+    the agent reports it stopped (its volume disk kept on its node, where it is placed
+    again, and its network volumes). An ended or not yet placed pod just starts."""
+    pod = pods.restart_pod(ctx, caller, ref, grace_seconds=RESTART_GRACE_SECONDS)
+    if pod.phase is PodPhase.PENDING:
+        wake()
+    return pod
 
 
 def bid_resume(ctx: ServiceContext, caller: Principal, ref: str, bid: float,

@@ -25,7 +25,7 @@ from gpucloud.core.billing import PriceClass, Resource
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.gpu_models import lookup
 from gpucloud.core.models import PodCreateRequest, PodOut
-from gpucloud.core.phases import PodPhase
+from gpucloud.core.phases import RESTARTING, PodPhase
 from gpucloud.core.spec import TemplateCreateRequest, TemplateOut
 from gpucloud.services.prices import PriceBook
 
@@ -91,6 +91,8 @@ def desired_status(pod: PodOut, terminated: bool = False) -> str:
     """GraphQL/REST v1 ``desiredStatus``: CREATED, RUNNING, RESTARTING, EXITED, TERMINATED."""
     if terminated or pod.desired_state == "deleted":
         return "TERMINATED"
+    if pod.desired_state == RESTARTING:
+        return "RESTARTING"  # its agent stops it; the server starts it again
     if pod.desired_state == "stopped":
         return "EXITED"  # desired: even while its agent is still stopping it
     if pod.phase is PodPhase.RUNNING:

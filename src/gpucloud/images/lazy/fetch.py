@@ -14,6 +14,10 @@ What registries really do, and what this module does about it:
 * A ``200`` with the whole blob (Go's ``ServeContent`` does that, and so does a server
   without Range support) is accepted: the body is streamed, the bytes before the span are
   skipped, and the connection is closed after the span, so the blob is never buffered.
+* A ``206`` is read to its end (the body is the span), so its connection goes back to the
+  pool: returning as soon as the span's bytes were in left the response unfinished, and
+  closing it closed the connection, so every chunk fetch paid a new TCP (and, at a real
+  registry, TLS) handshake.
 * ``429``/``5xx`` and broken connections are retried with exponential back-off (honouring
   ``Retry-After``) until the attempts or the read deadline run out; then the caller gets
   ``RegistryUnavailable`` (the FUSE layer turns it into ``EIO`` and an event).
@@ -147,17 +151,22 @@ class RangeFetcher:
         first = _content_range_start(response.headers.get("Content-Range", ""))
         if first != start:
             raise _Retryable(f"asked for offset {start}, got a range from {first}")
-        return self._read_exactly(response, end - start, 0)
+        return self._read_exactly(response, end - start, 0, finish=True)
 
     def _read_from_whole(self, response: httpx.Response, start: int, end: int) -> bytes:
         """A ``200``: skip to ``start`` while streaming, keep ``end - start`` bytes, close."""
         return self._read_exactly(response, end - start, start)
 
-    def _read_exactly(self, response: httpx.Response, count: int, skip: int) -> bytes:
+    def _read_exactly(self, response: httpx.Response, count: int, skip: int,
+                      finish: bool = False) -> bytes:
+        """``count`` bytes after the first ``skip`` of the body. ``finish``: the body
+        should be exactly those bytes; it is read to its end (one more, empty, read) so
+        the connection is reused; a longer body is cut and its connection closed."""
         parts: list[bytes] = []
         have = 0
         try:
-            for chunk in response.iter_raw():
+            chunks = response.iter_raw()
+            for chunk in chunks:
                 self.stats.bytes += len(chunk)
                 if skip:
                     dropped = min(skip, len(chunk))
@@ -165,6 +174,8 @@ class RangeFetcher:
                 parts.append(chunk)
                 have += len(chunk)
                 if have >= count:
+                    if finish and have == count:
+                        self.stats.bytes += len(next(chunks, b""))
                     return b"".join(parts)[:count]
         except httpx.TransportError as exc:
             raise _Retryable(f"the download broke off: {exc}") from exc

@@ -108,6 +108,20 @@ def _apply_entry(node: Node, ent: TocEntry) -> None:
 
 
 def _mtime(value: str) -> float:
+    got = _MTIMES.get(value)
+    if got is None:
+        got = _MTIMES[value] = _parse_mtime(value)
+        if len(_MTIMES) > 65536:
+            _MTIMES.clear()
+    return got
+
+
+_MTIMES: dict[str, float] = {}
+"""Parsed ``modtime`` strings: the entries of a layer mostly share a few (a build's time),
+and parsing every one again was a sizeable part of building a large layer's tree."""
+
+
+def _parse_mtime(value: str) -> float:
     if not value:
         return 0.0
     try:
@@ -136,7 +150,12 @@ def _add(nodes: dict[str, Node], path: str, node: Node) -> Node:
 
 
 class LayerFs(mfusepy.Operations):  # type: ignore[misc]
-    """mfusepy operations over a ``LazyLayer``; read errors become ``EIO``."""
+    """mfusepy operations over a ``LazyLayer``; read errors become ``EIO``.
+
+    Every callback is a Python call from a libfuse thread (GIL, ctypes), so what libfuse
+    can answer in C is left to it: ``open``/``release``/``flush`` are not implemented (the
+    mount is read-only, so the kernel refuses writable opens itself; reads find their node
+    by path), nor the xattr calls on a layer without xattrs."""
 
     use_ns = True
 
@@ -145,10 +164,16 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
         self.layer = layer
         self._on_init = on_init
         self.nodes = build_tree(layer.toc)
-        self._by_ino = {node.ino: node for node in self.nodes.values()}
         self._max_read = max_read
         self._attrs: dict[str, dict[str, Any]] = {}
         self._tls = threading.local()  # per libfuse worker: the extents its last reply used
+        if not any(node.xattrs for node in self.nodes.values()):
+            # No xattrs in the layer: getxattr/listxattr are not given to libfuse, which
+            # answers ENOSYS, and the kernel stops asking (EOPNOTSUPP from then on, which
+            # overlayfs takes as "none"). Otherwise overlayfs asks for its trusted.overlay.*
+            # attributes at nearly every lookup: 977 Python callbacks for the bench start's
+            # 742 files, more than its reads.
+            self.getxattr = self.listxattr = _not_for_libfuse  # type: ignore[method-assign,assignment]
 
     def init_with_config(self, conn: Any, config: Any) -> None:  # noqa: ARG002 - mfusepy's signature
         """Ask for splice replies: libfuse then moves cached chunk pages to ``/dev/fuse``
@@ -207,14 +232,8 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
             raise mfusepy.FuseOSError(errno.EINVAL)
         return node.link
 
-    def open(self, path: str, flags: int) -> int:
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:  # noqa: ARG002 - mfusepy's signature
         node = self._node(path)
-        if flags & 3 != 0:
-            raise mfusepy.FuseOSError(errno.EROFS)
-        return node.ino
-
-    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-        node = self._by_ino.get(fh) or self._node(path)
         if node.kind != "reg":
             raise mfusepy.FuseOSError(errno.EISDIR)
         if offset >= node.size:
@@ -226,7 +245,8 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
             log.warning("read of %s in layer %s failed: %s", path, self.layer.digest, exc)
             raise mfusepy.FuseOSError(errno.EIO) from exc
 
-    def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fh: int) -> int:
+    def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fh: int  # noqa: ARG002 - mfusepy's signature
+                 ) -> int:
         """Zero-copy read (libfuse's ``read_buf``, used in place of ``read``): for cached
         chunks the reply is a vector of (chunk file descriptor, position, length) that
         libfuse splices to the kernel itself, in C, without the GIL; no byte passes
@@ -241,7 +261,7 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
         if held:
             self._tls.held = None
             self.layer.release_extents(held)
-        node = self._by_ino.get(fh) or self._node(path)
+        node = self._node(path)
         if node.kind != "reg":
             raise mfusepy.FuseOSError(errno.EISDIR)
         size = max(0, min(size, node.size - offset))
@@ -282,6 +302,12 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
                 "f_bfree": 0, "f_bavail": 0, "f_files": len(self.nodes), "f_ffree": 0,
                 "f_namemax": 255}
 
+
+def _not_for_libfuse(*_args: object) -> None:
+    """An operation left to libfuse's default (mfusepy skips ``libfuse_ignore``)."""
+
+
+_not_for_libfuse.libfuse_ignore = True  # type: ignore[attr-defined]
 
 SEQUENTIAL_REQUEST = 128 << 10
 """A read this large is the kernel's readahead: the reader is going sequentially."""

@@ -332,11 +332,9 @@ class LazyLayer:
 
     def all_chunks(self) -> list[ChunkRef]:
         """Every chunk of every visible regular file (no landmarks), in blob order."""
-        refs: list[ChunkRef] = []
-        for ent in self.toc.files():
-            if ent.type == "reg" and ent.size > 0 and ent.path not in HIDDEN_ROOT_NAMES:
-                refs.extend(self.toc.chunks_of(ent.name))
-        return sorted(refs, key=lambda r: (r.offset, r.chunk_offset))
+        refs = [ref for path, chunks in self.toc.chunk_map().items()
+                if path not in HIDDEN_ROOT_NAMES for ref in chunks]
+        return sorted(refs, key=_blob_order)
 
     def local_bytes(self) -> tuple[int, int]:
         """(uncompressed bytes cached, uncompressed bytes in total) of this layer's files."""
@@ -347,6 +345,10 @@ class LazyLayer:
 
 def _chunk_start(ref: ChunkRef) -> int:
     return ref.chunk_offset
+
+
+def _blob_order(ref: ChunkRef) -> tuple[int, int]:
+    return ref.offset, ref.chunk_offset
 
 
 def _unique(items: list[Item]) -> list[Item]:
@@ -372,8 +374,7 @@ def _windows(refs: list[ChunkRef], size: int) -> list[list[ChunkRef]]:
 
 def check_toc_offsets(toc: Toc, blob_size: int) -> None:
     """Every chunk extent lies inside the blob (parse_toc checks offsets; extents too)."""
-    for ent in toc.files():
-        if ent.type == "reg" and ent.size > 0:
-            for ref in toc.chunks_of(ent.name):
-                if ref.end > blob_size or ref.end <= ref.offset:
-                    raise InvalidImage(f"TOC chunk of {ent.name!r} runs outside the blob")
+    for path, refs in toc.chunk_map().items():
+        for ref in refs:
+            if ref.end > blob_size or ref.end <= ref.offset:
+                raise InvalidImage(f"TOC chunk of {path!r} runs outside the blob")

@@ -93,7 +93,11 @@ class Batch:
 MERGE_GAP = 128 << 10
 MAX_REQUEST = 8 << 20
 PREFETCH_REQUEST = 2 << 20
-BULK_QUIET = 1.0
+BULK_QUIET = 3.0
+"""Seconds of no demand (and since the last mount) before the bulk prefetch may run. A cold
+start has gaps with no page faults (bundle, runc, a program reading files the prioritized
+prefetch already brought): at 1 s the bulk began inside those gaps and then shared the
+node's CPU (decompress, hash, write) with the rest of the start."""
 
 
 @dataclass

@@ -1,64 +1,19 @@
-"""An opt-in timeline of a lazy start, across processes (``GPUCLOUD_LAZY_TRACE``).
+"""The lazy start's summary of a trace (``core/trace.py``, ``GPUCLOUD_TRACE``).
 
-When the environment variable names a file, ``mark`` appends one JSON object per line to it:
-``{"t": <CLOCK_MONOTONIC seconds>, "pid": ..., "thread": ..., "event": ..., **fields}``.
-``CLOCK_MONOTONIC`` is one clock for the whole machine, so the lines written by the
-benchmark, the agent and the lazyfs daemon (all inherit the variable) sort into a single
-timeline: pod create, pull, each layer's mount phases, the overlay, every chunk fetch with
-its span and wait, and ``READY``. ``bench/lazy_pull.py --trace`` turns it on and prints the
-per-phase summary (``summarize``). Unset, ``mark`` is one attribute test: nothing is
-written and nothing is formatted.
+The benchmark, the agent and the lazyfs daemon mark pod create, pull, each layer's mount
+phases, the overlay, every chunk fetch with its span and wait, and ``READY``;
+``bench/lazy_pull.py --trace`` turns the trace on and prints the per-phase summary
+(``summarize``). ``mark`` and the rest are ``core/trace.py``'s, re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
-TRACE_ENV = "GPUCLOUD_LAZY_TRACE"
-_lock = threading.Lock()
-_path = os.environ.get(TRACE_ENV) or None
+from gpucloud.core.trace import TRACE_ENV, enabled, load, mark, set_path
 
-
-def enabled() -> bool:
-    return _path is not None
-
-
-def set_path(path: str | None) -> None:
-    """Trace this process to ``path`` from now on (None: stop); children started later
-    follow it too (the variable is set, or unset, in ``os.environ``)."""
-    global _path
-    _path = path
-    if path is None:
-        os.environ.pop(TRACE_ENV, None)
-    else:
-        os.environ[TRACE_ENV] = path
-
-
-def mark(event: str, **fields: Any) -> None:
-    """Append ``event`` with the current monotonic time (no-op unless tracing)."""
-    if _path is None:
-        return
-    line = json.dumps({"t": round(time.monotonic(), 6), "pid": os.getpid(),
-                       "thread": threading.current_thread().name, "event": event, **fields})
-    with _lock:
-        # O_APPEND: lines of several processes interleave whole (each is one write).
-        fd = os.open(_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, line.encode() + b"\n")
-        finally:
-            os.close(fd)
-
-
-def load(path: str) -> list[dict[str, Any]]:
-    """The trace's events in time order."""
-    with open(path) as handle:
-        events = [json.loads(line) for line in handle if line.strip()]
-    return sorted(events, key=lambda e: float(e["t"]))
+__all__ = ["TRACE_ENV", "enabled", "load", "mark", "set_path", "summarize"]
 
 
 def _first(events: Iterable[dict[str, Any]], name: str) -> float | None:

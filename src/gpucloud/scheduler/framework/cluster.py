@@ -182,7 +182,12 @@ class ClusterState:
                                      self.mig_mode, self.mig_on, self.mig_layout_id,
                                      self.gpu_mem_free,
                                      self.cpu_free, self.mem_free, self.gpu_count))
-        unique, inverse = np.unique(signature, axis=0, return_inverse=True)
+        # Each row as one opaque value (its bytes): ``np.unique`` then compares rows with
+        # one memcmp instead of column by column (``axis=0``), a few times faster on
+        # 10,000 nodes. The ids only need to be equal for equal rows.
+        rows = np.ascontiguousarray(signature)
+        opaque = rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).reshape(-1)
+        unique, inverse = np.unique(opaque, return_inverse=True)
         self.node_class = np.asarray(inverse, np.int64).reshape(-1)
         self.num_classes = int(unique.shape[0])
 

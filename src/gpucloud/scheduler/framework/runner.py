@@ -21,6 +21,7 @@ from gpucloud.scheduler.framework.cluster import (
 from gpucloud.scheduler.framework.plugin import CommitListener, Cycle
 from gpucloud.scheduler.framework.registry import Profile
 from gpucloud.scheduler.framework.status import Code, Status
+from gpucloud.scheduler.framework.tables import ShapeTable, ShapeTables
 from gpucloud.scheduler.mig import MigGeometry, geometry, models_with_profile
 from gpucloud.scheduler.types import PodRequest
 
@@ -86,7 +87,8 @@ class EligibilityCache:
 class Framework:
     """Runs a profile's plugins against a cluster state it owns and updates."""
 
-    def __init__(self, profile: Profile, state: ClusterState, seed: int = 0) -> None:
+    def __init__(self, profile: Profile, state: ClusterState, seed: int = 0,
+                 shape_tables: bool = True) -> None:
         self.profile = profile
         self.state = state
         self.rng = np.random.default_rng(seed)
@@ -99,6 +101,10 @@ class Framework:
         self._all_nodes = np.arange(state.num_nodes, dtype=np.int64)
         plugins = [p for p, _ in profile.scores] + [profile.reserve]
         self._listeners = [p for p in plugins if isinstance(p, CommitListener)]
+        #: Per pod shape, every node's filter verdict and raw scores (``tables``).
+        #: ``shape_tables=False`` runs every plugin on every pod's candidates (the plain
+        #: path: the tables must decide as it does).
+        self._tables = ShapeTables(profile, state, enabled=shape_tables)
 
     def _mig_shapes(self, profile: str | None) -> dict[int, MigGeometry]:
         """The profile's geometry on each GPU model of the cluster that offers it."""
@@ -144,10 +150,11 @@ class Framework:
             status = plugin.pre_filter(cycle, self.state)
             if not status.ok:
                 return Outcome(None, status, {})
-        nodes = self._candidates(cycle)
+        table = self._tables.table(cycle)
+        nodes = self._candidates(cycle, table)
         if nodes.size == 0:
             return self._unschedulable(cycle)
-        allocation = self._choose(cycle, nodes)
+        allocation = self._choose(cycle, nodes, table)
         if allocation is None:
             return Outcome(None, Status(Code.UNSCHEDULABLE, ("no GPU arrangement fits",)), {})
         self.state.commit(allocation)
@@ -155,7 +162,7 @@ class Framework:
             listener.committed(cycle, self.state, allocation)
         return Outcome(allocation, Status(Code.SUCCESS), {})
 
-    def _candidates(self, cycle: Cycle) -> IntArray:
+    def _candidates(self, cycle: Cycle, table: ShapeTable | None = None) -> IntArray:
         """The feasible nodes to score.
 
         On a cluster larger than the profile's ``sample_threshold``, a random sample of
@@ -166,10 +173,10 @@ class Framework:
         """
         sample = self._presample()
         if sample is not None:
-            feasible = sample[self._feasible(cycle, sample)]
+            feasible = sample[self._feasible(cycle, sample, table)]
             if feasible.size * 4 >= sample.size:
                 return feasible
-        feasible = self._all_nodes[self._feasible(cycle, self._all_nodes)]
+        feasible = self._all_nodes[self._feasible(cycle, self._all_nodes, table)]
         return self._sample(feasible)
 
     def _presample(self) -> IntArray | None:
@@ -179,8 +186,13 @@ class Framework:
             return None
         return _dedupe(self.rng.integers(self.state.num_nodes, size=limit))
 
-    def _feasible(self, cycle: Cycle, nodes: IntArray) -> BoolArray:
-        """Mask over ``nodes`` of those that pass every filter."""
+    def _feasible(self, cycle: Cycle, nodes: IntArray,
+                  table: ShapeTable | None = None) -> BoolArray:
+        """Mask over ``nodes`` of those that pass every filter (read from the shape's
+        table, brought up to date for them, when there is one)."""
+        if table is not None:
+            self._tables.current(cycle, table, nodes)
+            return table.ok[nodes]
         ok = np.ones(nodes.size, np.bool_)
         for plugin in self.profile.filters:
             for _reason, rejected in plugin.filter(cycle, self.state, nodes):
@@ -203,11 +215,15 @@ class Framework:
             code = Code.UNSCHEDULABLE_AND_UNRESOLVABLE
         return Outcome(None, Status(code, tuple(reasons)), reasons)
 
-    def _choose(self, cycle: Cycle, nodes: IntArray) -> Allocation | None:
-        scores = self._score(cycle, nodes)
-        order = self._ranking(scores, nodes)
+    def _choose(self, cycle: Cycle, nodes: IntArray,
+                table: ShapeTable | None = None) -> Allocation | None:
+        scores = self._score(cycle, nodes, table)
+        first = self._best(scores, nodes)
+        allocation = self.profile.reserve.reserve(cycle, self.state, int(nodes[first]))
+        if allocation is not None:
+            return allocation
         # Reserve can still fail on a node (e.g. no MIG start slot); try the next best.
-        for position in order[:8]:
+        for position in self._ranking(scores, first)[1:8]:
             allocation = self.profile.reserve.reserve(cycle, self.state, int(nodes[position]))
             if allocation is not None:
                 return allocation
@@ -221,21 +237,29 @@ class Framework:
         picks = _dedupe(self.rng.integers(nodes.size, size=limit))
         return np.asarray(nodes[picks], np.int64)
 
-    def _score(self, cycle: Cycle, nodes: IntArray) -> FloatArray:
+    def _score(self, cycle: Cycle, nodes: IntArray,
+               table: ShapeTable | None = None) -> FloatArray:
         scorers = self.profile.scores
+        if table is not None:
+            if len(scorers) == 1:
+                return scorers[0][1] * table.raw[0][nodes]
+            # A plugin constant on every node would add zero once normalised: skipped.
+            raws = [raw[nodes] for raw, same in zip(table.raw, table.constant, strict=True)
+                    if same is None]
+            weights = [w for (_, w), same in zip(scorers, table.constant, strict=True)
+                       if same is None]
+        else:
+            raws = [plugin.score(cycle, self.state, nodes) for plugin, _ in scorers]
+            weights = [w for _, w in scorers]
+            if len(scorers) == 1:
+                return weights[0] * raws[0]
         total = np.zeros(nodes.size, np.float64)
-        if len(scorers) == 1:
-            plugin, weight = scorers[0]
-            return weight * plugin.score(cycle, self.state, nodes)
-        for plugin, weight in scorers:
-            raw = plugin.score(cycle, self.state, nodes)
+        for raw, weight in zip(raws, weights, strict=True):
             total += weight * _normalize(raw)
         return total
 
-    def _ranking(self, scores: FloatArray, nodes: IntArray) -> IntArray:
-        """Positions best first; ties broken by the profile's rule."""
-        if scores.size == 0:
-            return np.zeros(0, np.int64)
+    def _best(self, scores: FloatArray, nodes: IntArray) -> int:
+        """Position of the best score; ties broken by the profile's rule."""
         best = scores.max()
         top = np.flatnonzero(scores >= best - 1e-9)
         first = int(top[0])
@@ -243,6 +267,11 @@ class Framework:
             first = int(top[self.rng.integers(top.size)])
         elif top.size > 1 and self.profile.tie_break == "rank":
             first = int(top[np.argmin(self.node_rank[nodes[top]])])
+        return first
+
+    @staticmethod
+    def _ranking(scores: FloatArray, first: int) -> IntArray:
+        """Positions best first, starting with ``first`` (``_best``'s pick)."""
         rest = np.argsort(-scores, kind="stable")
         return np.concatenate(([first], rest[rest != first]))
 

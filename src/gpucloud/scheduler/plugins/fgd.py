@@ -331,6 +331,7 @@ class FgdScore:
     """
 
     name = "FGD"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, args: PluginArgs) -> None:
         self.typical, self.cpu_per_gpu = typical_from_args(args)

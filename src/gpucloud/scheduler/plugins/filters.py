@@ -61,6 +61,7 @@ class NodeCondition:
     """Rejects nodes that are not ready or cordoned."""
 
     name = "NodeCondition"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
@@ -74,6 +75,7 @@ class NodeSelector:
     """Rejects nodes whose labels do not carry every ``key=value`` the pod selects."""
 
     name = "NodeSelector"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
@@ -99,6 +101,7 @@ class RequiredNode:
     one node restarts there (its own reason, so `pod why` can say where)."""
 
     name = "RequiredNode"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
@@ -122,6 +125,7 @@ class AvoidNode:
     the node that preempted it."""
 
     name = "AvoidNode"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
@@ -139,6 +143,7 @@ class CpuMemoryFit:
     """Rejects nodes without the free CPU or memory the pod requests."""
 
     name = "CpuMemoryFit"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
@@ -156,6 +161,7 @@ class GpuModel:
     """Rejects nodes with no GPU of the requested model / memory / MIG profile at all."""
 
     name = "GpuModel"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
@@ -191,6 +197,7 @@ class GpuFit:
     """Rejects nodes without enough free capacity on GPUs the pod may use."""
 
     name = "GpuFit"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass

@@ -52,6 +52,7 @@ class RandomScore:
 
 class DotProductScore:
     name = "DotProduct"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
@@ -74,6 +75,7 @@ class GpuClusteringScore:
     within a band fuller nodes first. Node shape tags are kept by ``ShapeTracker``."""
 
     name = "GpuClustering"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
@@ -129,6 +131,7 @@ class GpuPackingScore:
     (50 − GPUs used), then idle nodes (33 − their GPU count)."""
 
     name = "GpuPacking"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass

@@ -22,12 +22,16 @@ ShareChooser = Callable[[Cycle, ClusterState, int, IntArray], int]
 
 
 def _group_pick(cols: IntArray, groups: IntArray, k: int) -> list[int] | None:
-    """``k`` columns within one group, the fullest group that still fits (best fit)."""
+    """``k`` columns within one group, the fullest group that still fits (best fit; among
+    equals the lowest group id). On a node's few GPUs plain lists beat array masks."""
+    members: dict[int, list[int]] = {}
+    for col, group in zip(cols.tolist(), groups.tolist(), strict=True):
+        members.setdefault(group, []).append(col)
     best: list[int] | None = None
-    for group in np.unique(groups):
-        members = cols[groups == group]
-        if members.size >= k and (best is None or members.size < len(best)):
-            best = [int(c) for c in members]
+    for group in sorted(members):
+        found = members[group]
+        if len(found) >= k and (best is None or len(found) < len(best)):
+            best = found
     return best[:k] if best is not None else None
 
 

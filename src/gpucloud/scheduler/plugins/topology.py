@@ -25,6 +25,7 @@ def _largest_group(free_full: np.ndarray, groups: np.ndarray) -> IntArray:
 
 class TopologyScore:
     name = "Topology"
+    node_local = True  # see scheduler/framework/tables.py
 
     def __init__(self, _args: PluginArgs) -> None:
         pass
