@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -87,7 +88,8 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.stderr.read() if process.stderr else ''}")
+            err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+            raise RuntimeError(f"server exited: {err}")
         try:
             if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                 return
@@ -175,7 +177,7 @@ async def load(url: str, prefix: str, pods: int, clients: int) -> dict[str, floa
     }
 
 
-def run_backend(backend: str, pods: int, clients: int, workers: int) -> dict[str, float]:
+def run_backend(backend: str, pods: int, clients: int, workers: int) -> dict[str, Any]:
     with _database(backend) as database_url, running_server(database_url, workers) as (url, pid):
         asyncio.run(load(url, "warmup", 300, clients))
         before = cpu_seconds(pid)

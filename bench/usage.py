@@ -523,6 +523,16 @@ def _paired(alone: list[dict[str, Any]], during: list[dict[str, Any]]) -> list[f
             for i, d in enumerate(during)]
 
 
+def _ingest_alone(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    """Ingest with the API quiet, measured before and after the rounds (one pass swings
+    with PostgreSQL's checkpoints): the pooled rate, with both passes kept."""
+    samples = first["samples"] + last["samples"]
+    seconds = first["seconds"] + last["seconds"]
+    return {"samples": samples, "seconds": round(seconds, 3),
+            "samples_per_second": round(samples / seconds, 1),
+            "passes": {"before_rounds": first, "after_rounds": last}}
+
+
 def _ingest_during(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The ingesting rounds' feeds summed; the rate while the creates ran."""
     fed = [r["fed"] for r in rounds]
@@ -643,6 +653,8 @@ def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
             time.sleep(SETTLE_SECONDS)
         with waits.sampled("create_alone"):  # the last: alone rounds bracket the others
             alone.append(_round_alone(url, args.rounds, args))
+        time.sleep(SETTLE_SECONDS)
+        ingest_alone_end = agents.call("ingest", batches, args.per_pod, args.clients, 0)
         sent, lease_failures = agents.call("sent"), agents.call("failures")
         seen = waits.report()
     finally:
@@ -658,7 +670,8 @@ def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
         "server_workers": args.workers,
         "rounds": f"{args.rounds + 1} alone and {args.rounds} while ingesting, "
                   f"{args.creates} creates each, interleaved (alone first and last)",
-        "ingest_alone": ingest_alone, "ingest_while_creating": _ingest_during(during),
+        "ingest_alone": _ingest_alone(ingest_alone, ingest_alone_end),
+        "ingest_while_creating": _ingest_during(during),
         "create_alone": control, "create_while_ingesting": loaded,
         "create_p99_ms_alone": control["p99_ms"],
         "create_p99_ms_while_ingesting": loaded["p99_ms"],

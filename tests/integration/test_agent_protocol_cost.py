@@ -23,6 +23,7 @@ from gpucloud.core.models import AssignmentsOut, LeaseRequest
 from gpucloud.db.models import NodeModel
 from gpucloud.services import assignment_answers, lease_batch
 from gpucloud.services.context import ServiceContext, hash_secret
+from gpucloud.services.ratelimit import api_keys
 from tests.integration.conftest import agent_headers, statements_sent
 
 SELECTS = frozenset({"SELECT"})
@@ -140,8 +141,8 @@ def test_a_renewal_that_waited_past_half_the_ttl_is_refused_not_applied(
                                                  received))
     assert refused.value.status_code == 503
     with pytest.raises(HTTPException):  # the full path alike
-        agent_router._renew_full(request, NodeCredential(node["node_token"], []),
-                                 received, app_ctx)
+        agent_router._renew_full(request, NodeCredential(
+            node["node_token"], api_keys(None, node["node_token"])), received, app_ctx)
     assert _expiry(app_ctx, node["node_id"]) == before  # nothing renewed late
     fresh = asyncio.run(lease_capacity.renew_current(app_ctx, node["node_token"], request,
                                                      clock.now()))
@@ -165,5 +166,5 @@ def test_a_renewed_lease_counts_from_when_the_renewal_came(
     assert _expiry(app_ctx, node["node_id"]).replace(tzinfo=None) == expected.replace(
         tzinfo=None)
     full = agent_router._renew_full(request, NodeCredential(
-        node["node_token"], []), received, app_ctx)
+        node["node_token"], api_keys(None, node["node_token"])), received, app_ctx)
     assert full.lease_expires_at.replace(tzinfo=None) == expected.replace(tzinfo=None)

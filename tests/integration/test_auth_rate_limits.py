@@ -1,11 +1,13 @@
-"""Rate limits on failed authentication: per client address and per key prefix on the
-REST API (429 + Retry-After), per address at the SSH gateway; time from a manual clock."""
+"""Rate limits on failed authentication: per key prefix and, wider, per client address on
+the REST API (429 + Retry-After), a credential that passed from an address exempt there;
+per address at the SSH gateway; time from a manual clock."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -14,18 +16,20 @@ from fastapi.testclient import TestClient
 from gpucloud.api.app import create_app
 from gpucloud.core.clock import ManualClock
 from gpucloud.core.settings import Settings
-from gpucloud.services.ratelimit import AuthFailureLimiter, Policy
+from gpucloud.services.ratelimit import AuthFailureLimiter, Policy, api_keys, peer_limits
 from tests.conftest import ADMIN_KEY
 from tests.fixtures.openssh import OpenSsh
 from tests.fixtures.postgres import free_port
 from tests.fixtures.server import live_server
 
 BURST, PER_MINUTE = 3, 6.0  # one more failure every 10 s after the burst
+FACTOR = 2  # an address: 6 failures, one more every 5 s
 
 
 def _limited(settings: Settings) -> Settings:
     return dataclasses.replace(settings, auth_failure_burst=BURST,
-                               auth_failures_per_minute=PER_MINUTE)
+                               auth_failures_per_minute=PER_MINUTE,
+                               auth_failure_address_factor=FACTOR)
 
 
 @pytest.fixture
@@ -34,39 +38,105 @@ def limited_app(settings: Settings, clock: ManualClock) -> Iterator[TestClient]:
         yield client
 
 
+def _client(app: TestClient, address: str) -> TestClient:
+    """A client whose TCP peer is ``address`` (the ASGI scope's client)."""
+    return TestClient(app.app, client=(address, 40000))  # no `with`: no second lifespan
+
+
 def _from(app: TestClient, address: str, key: str) -> httpx.Response:
-    """A request whose TCP peer is ``address`` (the ASGI scope's client)."""
-    other = TestClient(app.app, client=(address, 40000))  # no `with`: no second lifespan
-    response: httpx.Response = other.get("/v1/pods",
-                                         headers={"Authorization": f"Bearer {key}"})
+    response: httpx.Response = _client(app, address).get(
+        "/v1/pods", headers={"Authorization": f"Bearer {key}"})
     return response
+
+
+def _guesses(count: int) -> list[str]:
+    """Bad keys of as many prefixes (their first 10 characters differ)."""
+    return [f"gpc_{i:06d}-wrong-guess" for i in range(count)]
 
 
 def test_the_bucket_refills_with_the_clock() -> None:
     limiter, policy = AuthFailureLimiter(), Policy(BURST, PER_MINUTE)
+    a, b = peer_limits("a"), peer_limits("b")
     for _ in range(BURST):
-        assert limiter.retry_after(["a"], 100.0, policy) is None
-        limiter.failed(["a"], 100.0, policy)
-    assert limiter.retry_after(["a"], 100.0, policy) == pytest.approx(10.0)
-    assert limiter.retry_after(["a"], 105.0, policy) == pytest.approx(5.0)
-    assert limiter.retry_after(["a"], 110.0, policy) is None
-    assert limiter.retry_after(["b"], 100.0, policy) is None  # buckets are separate
+        assert limiter.retry_after(a, 100.0, policy) is None
+        limiter.failed(a, 100.0, policy)
+    assert limiter.retry_after(a, 100.0, policy) == pytest.approx(10.0)
+    assert limiter.retry_after(a, 105.0, policy) == pytest.approx(5.0)
+    assert limiter.retry_after(a, 110.0, policy) is None
+    assert limiter.retry_after(b, 100.0, policy) is None  # buckets are separate
 
 
-def test_failures_from_one_address_get_429_with_retry_after(
+def test_an_address_bucket_is_wider_and_a_success_there_exempts_its_credential() -> None:
+    limiter, policy = AuthFailureLimiter(), Policy(BURST, PER_MINUTE, FACTOR)
+    good, other = api_keys("10.0.0.1", "gpc_good-key"), api_keys("10.0.0.1", "gpc_other-key")
+    limiter.succeeded(good)
+    for guess in _guesses(BURST * FACTOR):
+        limiter.check(api_keys("10.0.0.1", guess), 100.0, policy)
+        limiter.failed(api_keys("10.0.0.1", guess), 100.0, policy)
+    assert limiter.retry_after(other, 100.0, policy) == pytest.approx(5.0)
+    assert limiter.retry_after(good, 100.0, policy) is None
+    assert limiter.retry_after(api_keys("10.0.0.2", "gpc_good-key"), 100.0, policy) is None
+    limiter.failed(good, 100.0, policy)  # revoked, say: its failure forgets its success
+    assert limiter.retry_after(good, 100.0, policy) is not None
+
+
+def test_a_key_spinning_on_401_does_not_lock_out_its_neighbours(
+        limited_app: TestClient, clock: ManualClock,
+        register_node: Callable[..., dict[str, Any]]) -> None:
+    """A host-network node: its agent and a pod's worker share an address, and the worker
+    retries a dead key in a tight loop. The dead key alone gets 429 after its burst; the
+    agent's lease renewals, its other calls and a key never seen from there pass."""
+    limited_app.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+    node = register_node("n1")
+    fresh = limited_app.post("/v1/keys", json={"name": "fresh"}).json()["key"]
+    host = _client(limited_app, "10.0.0.1")
+    agent = {"Authorization": f"Bearer {node['node_token']}"}
+    renewal = {"fencing_token": node["fencing_token"]}
+    assert host.post("/v1/agent/lease", headers=agent, json=renewal).status_code == 200
+    codes = []
+    for _ in range(120):  # ten minutes of a spinner, at many tries a second
+        codes += [_from(limited_app, "10.0.0.1", "gpc_revoked-key-spins").status_code
+                  for _ in range(20)]
+        assert host.post("/v1/agent/lease", headers=agent, json=renewal).status_code == 200
+        assert host.get("/v1/agent/assignments", headers=agent).status_code == 200
+        clock.advance(5)  # the agent renews within its 10 s lease
+    assert codes[:BURST] == [401] * BURST and codes[BURST] == 429
+    assert codes.count(401) == BURST + 59  # one more every 10 s: its own bucket's rate
+    # the address's wider bucket was never emptied: a key new to it is checked as usual
+    assert _from(limited_app, "10.0.0.1", fresh).status_code == 200
+    assert _from(limited_app, "10.0.0.1", "gpc_a-new-wrong-key").status_code == 401
+
+
+def test_many_keys_from_one_address_are_still_limited(
         limited_app: TestClient, clock: ManualClock) -> None:
-    for _ in range(BURST):
-        assert _from(limited_app, "10.0.0.1", "gpc_wrongwrongwrong").status_code == 401
-    blocked = _from(limited_app, "10.0.0.1", "gpc_otherotherother")
-    assert blocked.status_code == 429 and blocked.headers["Retry-After"] == "10"
+    """Brute force: other keys each time. The address's bucket (FACTOR times a key's)
+    empties, and then every key is refused unchecked, a right one too (no oracle), except
+    one that had authenticated from this address before: its caller knows it already."""
+    limited_app.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+    known = limited_app.post("/v1/keys", json={"name": "known"}).json()
+    unseen = limited_app.post("/v1/keys", json={"name": "unseen"}).json()["key"]
+    assert _from(limited_app, "10.0.0.1", known["key"]).status_code == 200
+    guesses = iter(_guesses(100))
+    for _ in range(BURST * FACTOR):
+        assert _from(limited_app, "10.0.0.1", next(guesses)).status_code == 401
+    blocked = _from(limited_app, "10.0.0.1", next(guesses))
+    assert blocked.status_code == 429 and blocked.headers["Retry-After"] == "5"
     assert "too many failed authentications" in blocked.json()["detail"]
-    # while blocked even the right key is refused (no oracle); another address is fine
+    assert _from(limited_app, "10.0.0.1", unseen).status_code == 429
     assert _from(limited_app, "10.0.0.1", ADMIN_KEY).status_code == 429
-    assert _from(limited_app, "10.0.0.2", ADMIN_KEY).status_code == 200
-    clock.advance(10)
-    assert _from(limited_app, "10.0.0.1", ADMIN_KEY).status_code == 200
-    assert _from(limited_app, "10.0.0.1", "gpc_wrongwrongwrong").status_code == 401
+    assert _from(limited_app, "10.0.0.1", known["key"]).status_code == 200
+    assert _from(limited_app, "10.0.0.2", unseen).status_code == 200  # another address
+    clock.advance(5)
+    assert _from(limited_app, "10.0.0.1", unseen).status_code == 200
+    assert _from(limited_app, "10.0.0.1", next(guesses)).status_code == 401
     assert _from(limited_app, "10.0.0.1", ADMIN_KEY).status_code == 429
+    # a known key revoked meanwhile: checked once (401, it counts), then refused unchecked
+    limited_app.post(f"/v1/keys/{known['id']}/revoke").raise_for_status()
+    clock.advance(60)  # past the auth cache
+    for guess in _guesses(200)[100:100 + BURST * FACTOR]:
+        _from(limited_app, "10.0.0.1", guess)
+    assert _from(limited_app, "10.0.0.1", known["key"]).status_code == 401
+    assert _from(limited_app, "10.0.0.1", known["key"]).status_code == 429
 
 
 def test_failures_for_one_key_prefix_are_limited_across_addresses(
@@ -78,17 +148,21 @@ def test_failures_for_one_key_prefix_are_limited_across_addresses(
 
 
 def test_node_tokens_and_join_tokens_count_too(limited_app: TestClient) -> None:
-    for _ in range(2):
+    for _ in range(BURST):
         assert limited_app.get("/v1/agent/assignments",
                                headers={"Authorization": "Bearer gpn_nope"}).status_code == 401
+    assert limited_app.get("/v1/agent/assignments",
+                           headers={"Authorization": "Bearer gpn_nope"}).status_code == 429
     body = {"join_token": "gpj_nope", "name": "n1", "cpu_cores": 8, "memory_bytes": 1 << 34}
-    assert limited_app.post("/v1/agent/register", json=body).status_code == 401
+    for _ in range(BURST * FACTOR - BURST):  # the address's bucket: 6 in all
+        assert limited_app.post("/v1/agent/register", json=body).status_code == 401
+    body["join_token"] = "gpj_other"
     refused = limited_app.post("/v1/agent/register", json=body)
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
 
 
 def test_successes_take_nothing(limited_app: TestClient) -> None:
-    for _ in range(BURST * 5):
+    for _ in range(BURST * FACTOR * 5):
         assert _from(limited_app, "10.2.0.1", ADMIN_KEY).status_code == 200
 
 

@@ -4,6 +4,7 @@ reaches the others' long polls (node assignments, serverless queue wake-ups) and
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 import psycopg
@@ -17,7 +18,11 @@ from gpucloud.services.wakeups import Wakeups
 @pytest.fixture
 def bridge(postgres_url: str) -> Iterator[notify.NotifyBridge]:
     running = notify.NotifyBridge(postgres_url, TtlCache())
-    running.start()
+    with psycopg.connect(notify._dsn(postgres_url), autocommit=True) as listener:
+        listener.execute(f"LISTEN {notify.CHANNEL}")
+        running.start()  # its hello, sent once it listens, is the first thing it sends
+        hello = [n.payload for n in listener.notifies(timeout=10.0, stop_after=1)]
+        assert hello == [notify.HELLO + running.origin]
     yield running
     running.stop()
 
@@ -58,13 +63,43 @@ async def _woken_once(hub: Wakeups, key: str, postgres_url: str, payload: str) -
         return await wakeups.wait(event, 0.5)
 
 
-def test_a_stored_log_chunk_is_published_for_the_other_replicas(
+def _received(listener: psycopg.Connection[tuple[object, ...]], seconds: float) -> list[str]:
+    return [note.payload for note in listener.notifies(timeout=seconds, stop_after=1)]
+
+
+def test_a_stored_log_chunk_is_published_only_while_another_replica_follows_the_pod(
         bridge: notify.NotifyBridge, postgres_url: str) -> None:
+    """Most logs have no reader: their chunks cost no NOTIFY. A replica whose read waits
+    on a pod announces it (``f:<origin>:<pod>``); from then on the pod's chunks stored
+    here are published for it, and this replica's own follows are announced too."""
     with psycopg.connect(notify._dsn(postgres_url), autocommit=True) as listener:
         listener.execute(f"LISTEN {notify.CHANNEL}")
         wakeups.LOGS.notify("pod-2")
-        payloads = [n.payload for n in listener.notifies(timeout=5.0, stop_after=1)]
-    assert payloads == ["l:pod-2"]
+        assert _received(listener, 1.0) == []  # no follower anywhere: nothing sent
+        for _ in range(50):  # until the bridge's LISTEN is up: a hint sent before is lost
+            _another_replica_publishes(postgres_url, "f:other:pod-2")
+            if _received(listener, 0.2) == ["f:other:pod-2"] and wakeups.LOGS.followed(
+                    "pod-2"):
+                break
+        assert wakeups.LOGS.followed("pod-2") and not wakeups.LOGS.followed("pod-3")
+        wakeups.LOGS.notify("pod-2")
+        wakeups.LOGS.notify("pod-3")
+        assert _received(listener, 5.0) == ["l:pod-2"]
+        assert _received(listener, 0.5) == []
+        assert wakeups.LOGS.follow("pod-4")  # a read waits here: the others are told
+        assert _received(listener, 5.0) == [f"f:{bridge.origin}:pod-4"]
+        assert not wakeups.LOGS.followed("pod-4")  # its own announcement is no news here
+        assert not wakeups.LOGS.follow("pod-4")  # told already
+        _another_replica_publishes(postgres_url, f"h:{bridge.origin}")  # its own: no news
+        _another_replica_publishes(postgres_url, "h:other")  # a replica joined: tell it
+        hellos = _received(listener, 5.0)
+        hellos += _received(listener, 5.0) if len(hellos) < 2 else []
+        assert hellos == [f"h:{bridge.origin}", "h:other"]
+        for _ in range(50):  # once the bridge has read it
+            if wakeups.LOGS.follow("pod-4"):
+                break
+            threading.Event().wait(0.1)
+        assert _received(listener, 5.0) == [f"f:{bridge.origin}:pod-4"]
 
 
 def test_a_serverless_wakeup_is_published_for_the_other_replicas(

@@ -27,7 +27,7 @@ from asyncssh.misc import TermModes, TermSize
 from gpucloud.access import keys, upstream
 from gpucloud.core.errors import GpucloudError
 from gpucloud.core.sshutil import PublicKeyOnlyServer, env_passes
-from gpucloud.services import auth_guard
+from gpucloud.services import auth_guard, ratelimit
 from gpucloud.services.access import PodTarget, pod_target, ssh_login
 from gpucloud.services.context import ServiceContext
 
@@ -247,7 +247,7 @@ class GatewayServer(PublicKeyOnlyServer):
     async def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
         """Whether this key may log in as ``username``; the last key checked is the one a
         successful login used (asyncssh checks one key at a time, signature last)."""
-        limits = [f"ssh:{self._peer()}"]
+        limits = ratelimit.peer_limits(f"ssh:{self._peer()}")
         if auth_guard.blocked(self._ctx, limits):  # too many refused keys: refuse them all
             self._login = None
             return False

@@ -39,7 +39,7 @@ def _bearer(credentials: Credentials) -> str | None:
 # the only blocking work, a database lookup on a cache miss, is sent to one explicitly.
 
 
-def _limit_keys(request: Request, credential: str | None) -> list[str]:
+def _limit_keys(request: Request, credential: str | None) -> ratelimit.Limits:
     """The failure buckets of this request: its TCP peer and the credential's prefix."""
     return ratelimit.api_keys(request.client.host if request.client else None, credential)
 
@@ -61,6 +61,7 @@ async def authenticate_key(request: Request, ctx: ServiceContext, key: str | Non
     auth_guard.check(ctx, keys)  # even a cached key: a blocked guesser learns nothing
     cached = projects.cached_principal(ctx, key)
     if cached is not None:
+        auth_guard.succeeded(ctx, keys)
         return cached
     return await run_in_threadpool(auth_guard.authenticated, ctx, keys,
                                    partial(projects.authenticate, ctx, key))
@@ -71,12 +72,16 @@ class NodeCredential:
     """A node token not yet checked, and its failure buckets (already not blocked)."""
 
     token: str | None
-    limit_keys: list[str]
+    limit_keys: ratelimit.Limits
 
     def authenticate(self, ctx: ServiceContext) -> str:
         """The node's id (blocking: a query on a cache miss); a failure counts."""
         return auth_guard.authenticated(ctx, self.limit_keys,
                                         partial(nodes.authenticate_node, ctx, self.token))
+
+    def succeeded(self, ctx: ServiceContext) -> None:
+        """The token passed elsewhere (the cache, the renewal's own statement)."""
+        auth_guard.succeeded(ctx, self.limit_keys)
 
 
 async def get_node_credential(
@@ -98,6 +103,7 @@ async def get_node_id(
 ) -> str:
     cached = nodes.cached_node(ctx, credential.token)
     if cached is not None:
+        credential.succeeded(ctx)
         return cached
     return await run_in_threadpool(credential.authenticate, ctx)
 

@@ -35,10 +35,12 @@ class Settings:
     #: at most MAX_AUTH_CACHE_TTL.
     auth_cache_ttl_seconds: float = 5.0
     join_token_ttl_seconds: float = 24 * 3600.0
-    #: Failed authentications allowed per client address (and per key prefix) in a
-    #: burst, and how many more per minute after it (services/ratelimit.py).
+    #: Failed authentications allowed per key prefix in a burst, and how many more per
+    #: minute after it; per client address, over all the keys it sends, both times
+    #: ``auth_failure_address_factor`` (services/ratelimit.py).
     auth_failure_burst: int = 20
     auth_failures_per_minute: float = 10.0
+    auth_failure_address_factor: float = 10.0
     scheduler_interval_seconds: float = 1.0
     #: Whether this replica runs the controllers (and may take their lease). False: an
     #: API replica that never leads, so agents behind the balancer never share a process

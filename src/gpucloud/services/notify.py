@@ -2,9 +2,10 @@
 
 Every replica keeps one connection of its own that LISTENs on ``gpucloud``; a change
 committed on one replica (a node's assignments, a revoked key, a node's replaced token,
-a serverless request queued or finished, a chunk of a pod's log stored) is published after
-commit from a queue by one thread on another connection of its own, batched, never on the
-request or heartbeat path (NOTIFY takes a global lock at commit). A receiver wakes the
+a serverless request queued or finished, a chunk stored of a pod's log that another
+replica follows) is published after commit from a queue by one thread on another
+connection of its own, batched, never on the request or heartbeat path (NOTIFY takes a
+global lock at commit). A receiver wakes the
 long polls of that node (``wakeups.ASSIGNMENTS``) or the waiting reads of that pod's log
 (``wakeups.LOGS``), clears its cache (``ctx.cache``), or forgets one entry of it (a
 re-registered node's old token: the fleet's other cached tokens stay, so a registration
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 
 import psycopg
@@ -38,8 +40,15 @@ CACHE_KEY = "k:"
 #: replica answers at once instead of on its next re-check.
 SERVERLESS = "s:"
 #: A pod's log grew (``wakeups.LOGS``, keyed by pod id): a waiting log read held by
-#: another replica answers at once instead of on its next re-check.
+#: another replica answers at once instead of on its next re-check. Sent only for a pod
+#: that another replica follows:
 LOGS = "l:"
+#: ``f:<origin>:<pod id>``: replica ``origin`` waits on the pod's log (``wakeups.LOGS
+#: .follow``); the others publish its chunks for a while.
+FOLLOW = "f:"
+#: ``h:<origin>``: a replica began listening, and knows no one's follows: the others
+#: announce theirs again at their next follow.
+HELLO = "h:"
 #: A notification's payload is at most 8000 bytes: a batch holds at most this many
 #: keys, and at most PAYLOAD_BYTES of them (a forgotten cache key is 71 bytes).
 BATCH = 200
@@ -56,6 +65,8 @@ class NotifyBridge:
     def __init__(self, url: str, cache: TtlCache) -> None:
         self.dsn = _dsn(url)
         self.cache = cache
+        #: This replica, in its FOLLOW and HELLO items (its own are not news to it).
+        self.origin = secrets.token_hex(4)
         self._outbox: queue.Queue[str | None] = queue.Queue()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._listen, name="notify-listen",
@@ -66,6 +77,8 @@ class NotifyBridge:
     def start(self) -> None:
         wakeups.ASSIGNMENTS.publisher = lambda key: self._outbox.put(ASSIGNMENTS + key)
         wakeups.LOGS.publisher = lambda key: self._outbox.put(LOGS + key)
+        wakeups.LOGS.announcer = lambda key: self._outbox.put(
+            f"{FOLLOW}{self.origin}:{key}")
         serverless_queue.WAKEUPS.publisher = lambda key: self._outbox.put(SERVERLESS + key)
         self.cache.publisher = lambda: self._outbox.put(CACHE)
         self.cache.key_publisher = lambda key: self._outbox.put(CACHE_KEY + key)
@@ -75,6 +88,7 @@ class NotifyBridge:
     def stop(self) -> None:
         wakeups.ASSIGNMENTS.publisher = None
         wakeups.LOGS.publisher = None
+        wakeups.LOGS.announcer = None
         serverless_queue.WAKEUPS.publisher = None
         self.cache.publisher = None
         self.cache.key_publisher = None
@@ -131,6 +145,7 @@ class NotifyBridge:
                 with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.cache.clear_local()  # what was missed while not listening
+                    self._outbox.put(HELLO + self.origin)  # and the others' follows
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=1.0):
                             if self._stop.is_set():  # woken by stop(): not a second more
@@ -150,5 +165,12 @@ class NotifyBridge:
                 wakeups.ASSIGNMENTS.notify_local(item[len(ASSIGNMENTS):])
             elif item.startswith(LOGS):
                 wakeups.LOGS.notify_local(item[len(LOGS):])
+            elif item.startswith(FOLLOW):
+                origin, _, key = item[len(FOLLOW):].partition(":")
+                if origin != self.origin and key:
+                    wakeups.LOGS.followed_elsewhere(key)
+            elif item.startswith(HELLO):
+                if item[len(HELLO):] != self.origin:
+                    wakeups.LOGS.announce_again()
             elif item.startswith(SERVERLESS):
                 serverless_queue.WAKEUPS.notify_local(item[len(SERVERLESS):])

@@ -90,7 +90,9 @@ async def lease(body: LeaseRequest, ctx: Ctx, credential: NodeToken) -> LeaseRes
     received_at = ctx.clock.now()
     response = (await lease_capacity.renew_current(ctx, credential.token, body, received_at)
                 if credential.token else None)
-    if response is None:
+    if response is not None:
+        credential.succeeded(ctx)  # its token passed (failures: the full path counts them)
+    else:
         response = await lease_capacity.run(
             partial(_renew_full, body, credential, received_at), ctx)
     metrics.LEASES_RENEWED.inc()

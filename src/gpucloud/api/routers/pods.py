@@ -79,7 +79,8 @@ async def pod_logs(
     An async route that holds no thread while it waits: each read is one short read in the
     threadpool, and the wait is ``wakeups.LOGS`` of the pod, which the log ingest notifies
     after its commit (api/routers/agent.py) here and, through the ``LISTEN/NOTIFY``
-    bridge, on the other replicas (services/notify.py). A wake-up is a hint: the log is
+    bridge, on the other replicas (services/notify.py), which publish it only while a
+    replica follows the pod (``wakeups.LOGS.follow``). A wake-up is a hint: the log is
     re-read at least every ``Settings.log_wait_recheck_seconds`` too. The first read finds
     the pod's id; the wait listens before each re-read, so a chunk stored meanwhile wakes
     it.
@@ -92,11 +93,17 @@ async def pod_logs(
     with wakeups.LOGS.listen(pod_id) as woken:
         while True:
             woken.clear()  # before the read: what is stored during it sets it again
+            # the other replicas publish the pod's chunks from now on; one stored there
+            # before they heard it is caught by a re-read soon after
+            told = wakeups.LOGS.follow(pod_id)
             _, out = await run_in_threadpool(read)
             left = deadline - time.monotonic()
             if _news(out, attempt) or left <= 0:
                 return out
-            if await wakeups.wait(woken, min(left, ctx.settings.log_wait_recheck_seconds)):
+            recheck = ctx.settings.log_wait_recheck_seconds
+            if told:
+                recheck = min(recheck, wakeups.ANNOUNCED_WITHIN)
+            if await wakeups.wait(woken, min(left, recheck)):
                 mark("server.logs.woken", pod=pod_id)
 
 
