@@ -393,7 +393,8 @@ class Replica:
     are spread over the replicas that have it; the others take no such traffic)."""
 
     def __init__(self, name: str, database_url: str, ttl: float, workers: int = 1,
-                 controllers: bool = True, agents: bool = True) -> None:
+                 controllers: bool = True, agents: bool = True,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.port = name, free_port()
         self.controllers, self.agents = controllers, agents
         #: processes of this replica (``--workers``: they share the ports, SO_REUSEPORT,
@@ -403,7 +404,7 @@ class Replica:
         self.home = Path(tempfile.mkdtemp(prefix=f"gpucloud-fleet-{name}-"))
         self.env = {**os.environ, "GPUCLOUD_HOME": str(self.home),
                     "GPUCLOUD_ADMIN_KEY": ADMIN_KEY, "GPUCLOUD_DATABASE_URL": database_url,
-                    "GPUCLOUD_LEASE_TTL": str(ttl)}
+                    "GPUCLOUD_LEASE_TTL": str(ttl), **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self.cpu_before_restart = 0.0
 
@@ -473,6 +474,9 @@ class Monitor(threading.Thread):
         #: what PostgreSQL's active sessions waited on, summed over samples (one a second):
         #: "what saturated" when renewals or binds slow down
         self.waits: dict[str, int] = {}
+        #: who waited on a lock behind whom ("waiter | blocker's last statement"), summed
+        #: over the same samples: a renewal queued behind a bind shows here
+        self.blocked: dict[str, int] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -507,6 +511,14 @@ class Monitor(threading.Thread):
                 " AND backend_type = 'client backend' GROUP BY 1, 2")):
             key = f"{wait} | {query}"
             self.waits[key] = self.waits.get(key, 0) + int(count)
+        for waiter, blocker, count in db.execute(sa.text(
+                "SELECT left(regexp_replace(w.query, '\\s+', ' ', 'g'), 48),"
+                " left(regexp_replace(b.query, '\\s+', ' ', 'g'), 48), count(*)"
+                " FROM pg_stat_activity w CROSS JOIN LATERAL unnest(pg_blocking_pids(w.pid))"
+                " AS blocking(pid) JOIN pg_stat_activity b ON b.pid = blocking.pid"
+                " WHERE w.wait_event_type = 'Lock' GROUP BY 1, 2")):
+            key = f"{waiter} | behind: {blocker}"
+            self.blocked[key] = self.blocked.get(key, 0) + int(count)
 
 
 class Workers:
@@ -653,6 +665,20 @@ class Plan:
     ramp_s: float = 0.0
     #: which replicas run the controllers and which take the agents (``TOPOLOGIES``)
     topology: str = "shared"
+    #: pods bound per transaction (GPUCLOUD_BIND_CHUNK; None: the server's default)
+    bind_chunk: int | None = None
+    #: how long a renewal whose node row is held is sent again before the full path
+    #: (GPUCLOUD_LEASE_BUSY_LIMIT, api/lease_capacity.py; 0: at once; None: the default)
+    lease_busy_s: float | None = None
+
+    def server_env(self) -> dict[str, str]:
+        """The replicas' environment for this plan's server knobs."""
+        env = {}
+        if self.bind_chunk is not None:
+            env["GPUCLOUD_BIND_CHUNK"] = str(self.bind_chunk)
+        if self.lease_busy_s is not None:
+            env["GPUCLOUD_LEASE_BUSY_LIMIT"] = str(self.lease_busy_s)
+        return env
 
 
 def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
@@ -708,7 +734,8 @@ TOPOLOGIES = {
 def _cluster(plan: Plan) -> Iterator[tuple[str, list[Replica]]]:
     with postgres_server(durable=False) as database_url:
         replicas = [Replica(name, database_url, plan.ttl, plan.server_workers, controllers,
-                            agents) for name, controllers, agents in TOPOLOGIES[plan.topology]]
+                            agents, plan.server_env())
+                    for name, controllers, agents in TOPOLOGIES[plan.topology]]
         try:
             for replica in replicas:  # the first migrates and takes the lease: the leader
                 replica.start()
@@ -863,16 +890,35 @@ def _leader_replica(monitor: Monitor, replicas: list[Replica], since: float,
     return None
 
 
-def _pass_metrics(replica: Replica) -> tuple[float, float]:
-    """(passes, seconds in them) from the replica's /metrics (this process's counters)."""
-    count = total = 0.0
-    with suppress(httpx.HTTPError):
-        for line in httpx.get(f"{replica.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith("gpucloud_scheduler_pass_duration_seconds_count"):
-                count = float(line.split()[-1])
-            elif line.startswith("gpucloud_scheduler_pass_duration_seconds_sum"):
-                total = float(line.split()[-1])
-    return count, total
+def _pass_metrics(replica: Replica, tries: int = 3) -> tuple[float, float] | None:
+    """(passes, seconds in them) from the replica's /metrics (this process's counters);
+    None when no scrape answered (a busy replica's /metrics can time out: read as 0, the
+    delta over a drain came out negative)."""
+    for _ in range(tries):
+        with suppress(httpx.HTTPError):
+            response = httpx.get(f"{replica.url}/metrics", timeout=10)
+            if response.status_code != 200:
+                continue
+            count = total = 0.0
+            for line in response.text.splitlines():
+                if line.startswith("gpucloud_scheduler_pass_duration_seconds_count"):
+                    count = float(line.split()[-1])
+                elif line.startswith("gpucloud_scheduler_pass_duration_seconds_sum"):
+                    total = float(line.split()[-1])
+            return count, total
+    return None
+
+
+def pass_delta(before: tuple[float, float] | None, after: tuple[float, float] | None
+               ) -> dict[str, Any] | None:
+    """The passes (count, seconds) between two scrapes of one replica: None where either
+    scrape failed or the counters went back (the process restarted), never negative."""
+    if before is None or after is None:
+        return None
+    count, seconds = after[0] - before[0], after[1] - before[1]
+    if count < 0 or seconds < 0:
+        return None
+    return {"count": int(count), "seconds": round(seconds, 2)}
 
 
 def _profilers(replicas: list[Replica], workers: Workers, tag: str) -> list[Any]:
@@ -961,8 +1007,8 @@ def _drive_backlog(plan: Plan, replicas: list[Replica], ports: list[int], worker
     done = time.time()
     cpu = [(c1 - c0) / (done - released) for c0, c1 in
            zip(cpu0, [r.cpu() for r in replicas] + [workers.cpu()], strict=True)]
-    passes = [(c1 - c0, s1 - s0) for (c0, s0), (c1, s1) in
-              zip(passes0, [_pass_metrics(r) for r in replicas], strict=True)]
+    passes = [pass_delta(p0, _pass_metrics(r)) for p0, r in zip(passes0, replicas,
+                                                                 strict=True)]
     timeline["profiles"] = _profiles(profilers)
     timeline["backlog"] = _drain_figures(monitor, released, bound_before, created) | {
         "leader": leader.name if leader else None,
@@ -970,8 +1016,9 @@ def _drive_backlog(plan: Plan, replicas: list[Replica], ports: list[int], worker
                                    zip(replicas, cpu, strict=False)}
                                   | {"agent_workers": round(cpu[-1], 2)},
         "leader_cpu_cores": (round(cpu[replicas.index(leader)], 2) if leader else None),
-        "passes": {r.name: {"count": int(n), "seconds": round(s, 2)}
-                   for r, (n, s) in zip(replicas, passes, strict=True) if n},
+        # None: a scrape failed (unknown), omitted: no pass on that replica
+        "passes": {r.name: p for r, p in zip(replicas, passes, strict=True)
+                   if p is None or p["count"]},
     }
     time.sleep(5)  # the agents' reports of the last pods
     return timeline
@@ -997,7 +1044,7 @@ def _drain_figures(monitor: Monitor, released: float, bound_before: int,
         out["leader_to_first_bind_s"] = round(started - led, 2)
     if started and finished and finished > started:
         # the first sample with binds is already into the drain: count from the sample
-        # before it (binds commit per 1,000-pod chunk, so the edges are coarse)
+        # before it (binds commit per chunk, _BIND_CHUNK pods, so the edges are coarse)
         before = max((t for t, b in drain if b == 0), default=released)
         out["drain_s"] = round(finished - before, 2)
         out["pods_per_s"] = round(created / (finished - before), 1)
@@ -1055,6 +1102,7 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "mode": "quick" if plan.quick else "full",
         "agents": plan.agents, "agent_processes": plan.processes,
         "topology": plan.topology, "replicas": len(TOPOLOGIES[plan.topology]),
+        "bind_chunk": plan.bind_chunk, "lease_busy_limit_s": plan.lease_busy_s,
         "server_workers_per_replica": plan.server_workers,
         "lease_ttl_s": plan.ttl, "measured_s": round(elapsed, 1),
         "register_all_s": round(registered_s, 1), "register_ramp_s": plan.ramp_s,
@@ -1092,6 +1140,8 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "waves": {"1": timeline.get("wave1"), "2": timeline.get("wave2")},
         "postgres_active_waits": dict(sorted(monitor.waits.items(),
                                              key=lambda kv: -kv[1])[:12]),
+        "postgres_lock_waits_behind": dict(sorted(monitor.blocked.items(),
+                                                  key=lambda kv: -kv[1])[:12]),
     } | {key: timeline[key] for key in ("backlog_create", "backlog", "profiles",
                                         "profiles_ramp")
          if key in timeline}
@@ -1121,11 +1171,19 @@ def main() -> None:
                         help="shared: 2 replicas, each runs the controllers and takes "
                         "agents; split: the agents on 2 --no-controllers replicas, the "
                         "controllers on 2 others (a leader and a standby)")
-    parser.add_argument("--variants", metavar="T1,T2,...",
-                        help="run the bench once per topology named, in this order (a "
+    parser.add_argument("--bind-chunk", type=int, metavar="PODS",
+                        help="pods the scheduler binds per transaction (the replicas' "
+                        "GPUCLOUD_BIND_CHUNK; default: the server's)")
+    parser.add_argument("--lease-busy-limit", type=float, metavar="SECONDS",
+                        help="how long a renewal whose node row is held is sent again "
+                        "before the full path (GPUCLOUD_LEASE_BUSY_LIMIT; 0: at once)")
+    parser.add_argument("--variants", metavar="V1,V2,...",
+                        help="run the bench once per variant named, in this order (a "
                         "name may repeat: shared,split,shared,split), each on a fresh "
                         "cluster, and compare them as ratios to the first "
-                        "(bench/results/fleet-variants.json)")
+                        "(bench/results/fleet-variants.json); a variant is a topology, "
+                        "with :bind=PODS for its bind chunk and :busy=S for its lease "
+                        "busy limit (shared:bind=1000:busy=0,shared:bind=250)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     # stopped (timeout, kill): unwind, so that the replicas and PostgreSQL are stopped
@@ -1139,7 +1197,8 @@ def main() -> None:
                 duration=args.duration or (600.0 if quick else 1800.0), ttl=args.ttl,
                 pods=args.pods or (2000 if quick else 20_000), quick=quick,
                 server_workers=args.server_workers, backlog=args.backlog,
-                profile_s=args.profile)
+                profile_s=args.profile, bind_chunk=args.bind_chunk,
+                lease_busy_s=args.lease_busy_limit)
     plan.ramp_s = plan.agents / 100 if args.ramp is None else args.ramp
     if args.variants:
         _run_variants(plan, args.variants.split(","))
@@ -1172,29 +1231,49 @@ def _figure(result: dict[str, Any], path: tuple[str, ...]) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def variant_plan(plan: Plan, variant: str) -> Plan:
+    """``plan`` for a variant: a topology, then optionally ``:PODS`` or ``:bind=PODS``
+    (its bind chunk) and ``:busy=S`` (its lease busy limit): ``shared:bind=250:busy=0``."""
+    topology, *knobs = variant.split(":")
+    if topology not in TOPOLOGIES:
+        raise SystemExit(f"unknown topology {topology!r} in variant {variant!r}")
+    out = replace(plan, topology=topology)
+    for knob in knobs:
+        name, _, value = knob.rpartition("=")
+        try:
+            if name in ("", "bind") and int(value) > 0:
+                out = replace(out, bind_chunk=int(value))
+            elif name == "busy" and float(value) >= 0:
+                out = replace(out, lease_busy_s=float(value))
+            else:
+                raise ValueError(knob)
+        except ValueError:
+            raise SystemExit(f"bad knob {knob!r} in variant {variant!r}") from None
+    return out
+
+
 def _run_variants(plan: Plan, topologies: list[str]) -> None:
-    """One run per topology named (fresh cluster each, the same plan otherwise), then
-    each figure of ``_COMPARED`` per run, the mean per topology and its ratio to the
-    first topology's: runs back to back share the machine's load of the moment, so
+    """One run per variant named (fresh cluster each, the same plan otherwise), then
+    each figure of ``_COMPARED`` per run, the mean per variant and its ratio to the
+    first variant's: runs back to back share the machine's load of the moment, so
     ratios hold where absolute figures on a shared machine do not."""
-    unknown = sorted(set(topologies) - set(TOPOLOGIES))
-    if unknown:
-        raise SystemExit(f"unknown topologies: {', '.join(unknown)}")
+    plans = [variant_plan(plan, variant) for variant in topologies]
     runs: list[dict[str, Any]] = []
-    for topology in topologies:
-        print(f"-- variant {topology} ({len(runs) + 1}/{len(topologies)})", flush=True)
+    for variant, one in zip(topologies, plans, strict=True):
+        print(f"-- variant {variant} ({len(runs) + 1}/{len(topologies)})", flush=True)
         started = time.time()
-        result = run(replace(plan, topology=topology))
+        result = run(one)
+        result["variant"] = variant
         result["load_average"] = os.getloadavg()[0]
         result["wall_s"] = round(time.time() - started, 1)
         runs.append(result)
-        print(f"-- variant {topology}: " + ", ".join(  # as it ends: a cut run keeps it
+        print(f"-- variant {variant}: " + ", ".join(  # as it ends: a cut run keeps it
             f"{label} {_figure(result, path)}" for label, path in _COMPARED), flush=True)
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "fleet-variants.json").write_text(json.dumps({"runs": runs}) + "\n")
     means: dict[str, dict[str, float | None]] = {}
     for topology in dict.fromkeys(topologies):
-        of = [r for r in runs if r["topology"] == topology]
+        of = [r for r in runs if r["variant"] == topology]
         means[topology] = {}
         for label, path in _COMPARED:
             values = [v for r in of if (v := _figure(r, path)) is not None]

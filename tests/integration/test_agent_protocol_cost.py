@@ -19,7 +19,7 @@ from gpucloud.api import lease_capacity
 from gpucloud.api.deps import NodeCredential
 from gpucloud.api.routers import agent as agent_router
 from gpucloud.core.clock import ManualClock
-from gpucloud.core.models import AssignmentsOut, LeaseRequest
+from gpucloud.core.models import AssignmentsOut, LeaseRequest, LeaseResponse
 from gpucloud.db.models import NodeModel
 from gpucloud.services import assignment_answers, lease_batch
 from gpucloud.services.context import ServiceContext, hash_secret
@@ -160,7 +160,7 @@ def test_a_renewed_lease_counts_from_when_the_renewal_came(
     request = LeaseRequest(fencing_token=node["fencing_token"])
     (batched,) = lease_batch.renew_many(
         app_ctx, [lease_batch.Renewal(node["node_token"], request, received)])
-    assert batched is not None
+    assert isinstance(batched, LeaseResponse)
     expected = received + timedelta(seconds=ttl)
     assert batched.lease_expires_at == expected
     assert _expiry(app_ctx, node["node_id"]).replace(tzinfo=None) == expected.replace(

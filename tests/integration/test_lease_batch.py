@@ -10,7 +10,12 @@ from sqlalchemy import select
 
 from gpucloud.api import lease_capacity
 from gpucloud.core.clock import ManualClock
-from gpucloud.core.models import LeaseRequest, NodeRegisterRequest, NodeRegisterResponse
+from gpucloud.core.models import (
+    LeaseRequest,
+    LeaseResponse,
+    NodeRegisterRequest,
+    NodeRegisterResponse,
+)
 from gpucloud.db.models import NodeModel
 from gpucloud.services import join_tokens, lease_batch, nodes, projects
 from gpucloud.services.context import ServiceContext
@@ -58,7 +63,7 @@ def test_one_statement_renews_the_current_grants_and_leaves_the_rest_to_the_full
     assert len(sent) == 2  # one per auto_uncordon group, however many renewals
     renewed = [r is not None for r in results]
     assert renewed == [True, True, False, False, False, True, False]
-    assert results[0] is not None and not results[0].new_grant
+    assert isinstance(results[0], LeaseResponse) and not results[0].new_grant
     assert _expiry(ctx, ok.node_id) > before[ok.node_id]
     assert _expiry(ctx, stale.node_id) == before[stale.node_id]
     assert _expiry(ctx, lapsed.node_id) == before[lapsed.node_id]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
@@ -95,3 +96,36 @@ def test_pods_bound_together_on_one_node_claim_it_once_and_never_share_a_gpu(
     bound, conflicts = scheduling.bind_all(app_ctx, token, binds, snap.by_name,
                                            {name: n.version for name, n in snap.by_name.items()})
     assert not bound and len(conflicts) == 4
+
+
+def test_chunks_commit_one_by_one_each_on_the_version_the_last_one_left(
+    api: TestClient, app_ctx: ServiceContext, register_node: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass binds ``_BIND_CHUNK`` pods per transaction (their nodes' rows are held only
+    that long): the next chunk claims a node on the version the previous chunk's claim
+    left, and a node changed between two chunks refuses the later chunk's pods only."""
+    monkeypatch.setattr(scheduling, "_BIND_CHUNK", 2)
+    node = register_node("solo", gpus=h100_gpus(6))
+    for i in range(6):
+        api.post("/v1/pods", json=_pod(f"p{i}", gpus=1))
+    token, binds, snap = _planned(app_ctx)
+    versions = {name: n.version for name, n in snap.by_name.items()}
+    commits: list[int] = []
+
+    def announce(node_ids: list[str]) -> None:  # after each chunk's commit
+        commits.append(len(commits))
+        if len(commits) == 2:  # cordoned between the second chunk and the third
+            assert api.post("/v1/nodes/solo/cordon").status_code == 200
+
+    bound, conflicts = scheduling.bind_all(app_ctx, token, binds, snap.by_name, versions,
+                                           announce)
+    assert len(commits) == 2  # the third chunk claimed nothing: nothing to announce
+    assert len(bound) == 4 and len(conflicts) == 2
+    with app_ctx.db.read() as session:
+        row = session.get_one(NodeModel, node["node_id"])
+        phases = dict(session.execute(select(PodModel.id, PodModel.phase)).all())
+    assert {phases[p] for p in bound} == {"Scheduled"}
+    assert {phases[p] for p in conflicts} == {"Pending"}
+    # two claims (+2), the cordon (+1); the tracked version is the last claim's
+    assert versions["solo"] == snap.by_name["solo"].version + 2 == row.version - 1

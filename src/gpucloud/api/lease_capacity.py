@@ -17,12 +17,21 @@ sharing the request pool, they waited for a connection behind a storm of registr
 that each held one while queued on a lock, and healthy nodes were marked ``Lost``. Its
 statements are bounded (``STATEMENT_TIMEOUT_MS``, ``POOL_TIMEOUT_S``): the worst answer,
 a 503, comes well inside the agent's timeout, which is itself inside the lease.
+
+A renewal never waits for a node row another transaction holds (a scheduling pass's bind,
+a pod report): the batched statement skips the row and answers ``BUSY``, and the renewal
+goes with the next statement (``BUSY_RETRY_S`` later when nothing else is pending), for up
+to ``BUSY_LIMIT_S``. The full path's row lock waited instead, on one of its
+``LEASE_THREADS``, so a bind of a thousand nodes queued the renewals of them (and any new
+grant behind those) until its commit (bench/lease_vs_bind.py, docs/replicas.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -51,6 +60,13 @@ POOL_TIMEOUT_S = 1.0
 #: statement is refused (503), not applied late: the agent gave it up at TTL/2 and sent
 #: another, and one applied late would keep a dead agent's node alive past TTL + 2 s.
 MAX_WAIT_FRACTION = 0.5
+#: A renewal whose row was held is sent again this long after, when nothing else is
+#: pending (else with the next statement at once) …
+BUSY_RETRY_S = 0.02
+#: … for at most this long: then the full path, whose statement waits for the row (cut at
+#: ``STATEMENT_TIMEOUT_MS``: a 503). ``GPUCLOUD_LEASE_BUSY_LIMIT`` overrides it, for
+#: benchmarks (0: the full path at once, as before renewals were sent again).
+BUSY_LIMIT_S = float(os.environ.get("GPUCLOUD_LEASE_BUSY_LIMIT", "2.0"))
 T = TypeVar("T")
 
 #: The lease path's own database (its own pool) per server database (PostgreSQL).
@@ -83,12 +99,15 @@ def close(db: Database) -> None:
         found.db.dispose()
 
 
+#: A renewal waiting for a statement, and where its answer goes.
+_Waiting = tuple[lease_batch.Renewal, "asyncio.Future[LeaseResponse | None]"]
+
+
 @dataclass
 class _Batcher:
     """The renewals waiting for the next statement on one event loop and database."""
 
-    pending: list[tuple[lease_batch.Renewal, asyncio.Future[LeaseResponse | None]]] = field(
-        default_factory=list)
+    pending: list[_Waiting] = field(default_factory=list)
     flushing: bool = False
 
 
@@ -172,16 +191,38 @@ async def _flush(ctx: ServiceContext, batcher: _Batcher,
                     if not future.done():
                         future.set_exception(error)
                 continue
-            for (_, future), result in zip(taken, results, strict=True):
-                if not future.done():
+            busy: list[_Waiting] = []
+            for (renewal, future), result in zip(taken, results, strict=True):
+                if isinstance(result, lease_batch.Busy):
+                    again = _busy(renewal, future)
+                    if again is not None:
+                        busy.append(again)
+                elif not future.done():
                     future.set_result(result)
+            if busy:
+                if not batcher.pending:  # only the held rows: give their holders a moment
+                    await asyncio.sleep(BUSY_RETRY_S)
+                batcher.pending = busy + batcher.pending
     finally:
         batcher.flushing = False
 
 
-def _refuse_late(ctx: ServiceContext, pending: list[tuple[lease_batch.Renewal, asyncio.Future[
-        LeaseResponse | None]]]) -> list[tuple[lease_batch.Renewal,
-                                               asyncio.Future[LeaseResponse | None]]]:
+def _busy(renewal: lease_batch.Renewal,
+          future: asyncio.Future[LeaseResponse | None]) -> _Waiting | None:
+    """A renewal whose row was held, to send again; None once it has been held for
+    ``BUSY_LIMIT_S`` (its answer, None, sends it to the full path)."""
+    if future.done():  # its request went away meanwhile
+        return None
+    now = time.monotonic()
+    since = renewal.busy_since if renewal.busy_since is not None else now
+    if now - since >= BUSY_LIMIT_S:
+        if not future.done():
+            future.set_result(None)
+        return None
+    return replace(renewal, busy_since=since), future
+
+
+def _refuse_late(ctx: ServiceContext, pending: list[_Waiting]) -> list[_Waiting]:
     """The pending renewals still fresh; the others get their 503 now."""
     fresh = []
     for renewal, future in pending:

@@ -10,6 +10,7 @@ meanwhile, makes the bind a no-op that the next pass retries.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -61,7 +62,7 @@ UNSCHEDULABLE_RETRY_SECONDS = 30.0
 #: Pending pods per pass. A pass's fixed cost grows with the nodes and the active pods
 #: (the snapshot's key rows and usage, the quota ledger: about 0.5 s of CPU at 10,000
 #: nodes even with the incremental snapshot) and its binds are batched (``bind_all``, a
-#: commit per 1,000), so a backlog drains faster in fewer, larger passes
+#: commit per ``_BIND_CHUNK``), so a backlog drains faster in fewer, larger passes
 #: (bench/scheduler_pass.py, 10,000 nodes on PostgreSQL, one busy run: 905 pods per CPU
 #: second at 1,024 a pass, 2,397 at 4,096; 318 at 1,024 with a full snapshot each pass).
 PASS_LIMIT = 4096
@@ -615,9 +616,15 @@ def quota_model(ledger: Ledger, project: str, gpu_type: str | None, milli: int,
 #: Bind statements, compiled once: Core tables, one round trip for many rows.
 _PODS = Base.metadata.tables[PodModel.__tablename__]
 _NODES = Base.metadata.tables[NodeModel.__tablename__]
-#: A chunk's rows: (id, version) pairs in one ``IN (VALUES …)`` stay well under SQLite's
-#: 32,766 parameters.
-_BIND_CHUNK = 1000
+#: Pods bound per transaction, each chunk committed before the next is written: a chunk
+#: holds its nodes' rows (their claim) until its commit, and a pod report or a full-path
+#: renewal of those nodes waits that long. 1,000 held them about 1 s (bench/lease_vs_bind.py:
+#: renewal p99 0.7-1.4 s during a drain, 0.13 s at 100) and bench/fleet.py found healthy
+#: nodes falsely Lost in every drain at 1,000 (10-251 of 1,000 in 7 runs) and none in 4
+#: runs at 100, at about 0.7x the drain rate (docs/replicas.md). ``GPUCLOUD_BIND_CHUNK``
+#: overrides it (1-1,000: a chunk's (id, version) pairs stay well under SQLite's 32,766
+#: parameters).
+_BIND_CHUNK = max(1, min(1000, int(os.environ.get("GPUCLOUD_BIND_CHUNK", "100"))))
 
 
 def bind_all(ctx: ServiceContext, token: str, binds: list[tuple[LeasedPod, Decision]],
