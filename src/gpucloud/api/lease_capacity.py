@@ -29,7 +29,6 @@ grant behind those) until its commit (bench/lease_vs_bind.py, docs/replicas.md).
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import weakref
@@ -44,6 +43,7 @@ from fastapi import HTTPException
 
 from gpucloud.core.models import LeaseRequest, LeaseResponse
 from gpucloud.core.per_loop import PerLoop
+from gpucloud.core.tunables import number_from_env
 from gpucloud.db.session import Database
 from gpucloud.services import lease_batch
 from gpucloud.services.context import ServiceContext
@@ -66,7 +66,7 @@ BUSY_RETRY_S = 0.02
 #: … for at most this long: then the full path, whose statement waits for the row (cut at
 #: ``STATEMENT_TIMEOUT_MS``: a 503). ``GPUCLOUD_LEASE_BUSY_LIMIT`` overrides it, for
 #: benchmarks (0: the full path at once, as before renewals were sent again).
-BUSY_LIMIT_S = float(os.environ.get("GPUCLOUD_LEASE_BUSY_LIMIT", "2.0"))
+BUSY_LIMIT_S = number_from_env("GPUCLOUD_LEASE_BUSY_LIMIT", 2.0, 0.0, 60.0)
 T = TypeVar("T")
 
 #: The lease path's own database (its own pool) per server database (PostgreSQL).

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
-import os
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +49,7 @@ from gpucloud.api.usage_worker import (
     use_process,
 )
 from gpucloud.core.per_loop import PerLoop
+from gpucloud.core.tunables import number_from_env
 from gpucloud.core.usage import AgentUsageBatchOut, AgentUsageBatchRequest
 from gpucloud.services.context import ServiceContext
 
@@ -249,17 +249,8 @@ def request_body_schema() -> dict[str, Any]:
 def busy_share_from_env(default: float = BUSY_SHARE) -> float:
     """``GPUCLOUD_USAGE_BUSY_SHARE``: the share of time ingest may take while API calls
     run, in (0, 1]; anything else is ignored (logged) for the default."""
-    value = os.environ.get("GPUCLOUD_USAGE_BUSY_SHARE")
-    if value is None:
-        return default
-    try:
-        share = float(value)
-    except ValueError:
-        share = -1.0
-    if not 0 < share <= 1:
-        log.warning("GPUCLOUD_USAGE_BUSY_SHARE=%r is not in (0, 1]; using %g", value, default)
-        return default
-    return share
+    share = number_from_env("GPUCLOUD_USAGE_BUSY_SHARE", default, 0.0, 1.0)
+    return share if share > 0 else default
 
 
 def _admission(app: Any) -> IngestAdmission:

@@ -10,7 +10,6 @@ meanwhile, makes the bind a no-op that the next pass retries.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from sqlalchemy.orm import Session
 from gpucloud.core.capabilities import CHECKPOINT_TRANSPARENT
 from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.phases import ACTIVE_PHASE_VALUES, NodeStatus, PodPhase
+from gpucloud.core.tunables import number_from_env
 from gpucloud.db.models import Base, JobModel, NodeModel, PodModel
 from gpucloud.db.session import on_commit, rows_changed
 from gpucloud.scheduler import (
@@ -624,7 +624,7 @@ _NODES = Base.metadata.tables[NodeModel.__tablename__]
 #: runs at 100, at about 0.7x the drain rate (docs/replicas.md). ``GPUCLOUD_BIND_CHUNK``
 #: overrides it (1-1,000: a chunk's (id, version) pairs stay well under SQLite's 32,766
 #: parameters).
-_BIND_CHUNK = max(1, min(1000, int(os.environ.get("GPUCLOUD_BIND_CHUNK", "100"))))
+_BIND_CHUNK = number_from_env("GPUCLOUD_BIND_CHUNK", 100, 1, 1000)
 
 
 def bind_all(ctx: ServiceContext, token: str, binds: list[tuple[LeasedPod, Decision]],
