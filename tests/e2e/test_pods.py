@@ -36,6 +36,21 @@ def test_gpu_env_matches_the_assignment_and_pid_1_is_the_command(
     assert phases == ["Pending", "Scheduled", "Pulling", "Running", "Succeeded"]
 
 
+def test_a_pod_of_a_cached_image_goes_from_scheduled_to_running(
+    cloud: Cloud, images: PushedImages
+) -> None:
+    cloud.agent("gpu-a")
+    cloud.create_pod("pulls", images.busybox, ["echo", "one"])
+    assert cloud.wait_pod("pulls", "Succeeded", "Failed").phase == "Succeeded"
+    cloud.create_pod("cached", images.busybox, ["echo", "two"])  # in the node's store now
+    assert cloud.wait_pod("cached", "Succeeded", "Failed").phase == "Succeeded"
+    assert cloud.wait_log("cached", "two") == "two\n"
+    pulled = [e.to_phase for e in cloud.client.pod_events("pulls")]
+    assert pulled == ["Pending", "Scheduled", "Pulling", "Running", "Succeeded"]
+    cached = [e.to_phase for e in cloud.client.pod_events("cached")]
+    assert cached == ["Pending", "Scheduled", "Running", "Succeeded"]  # nothing pulled
+
+
 def test_exit_code_memory_limit_and_stop_with_grace(cloud: Cloud, images: PushedImages) -> None:
     cloud.agent("gpu-a")
     cloud.create_pod("fails", images.busybox, ["sh", "-c", "echo bad >&2; exit 3"])

@@ -14,9 +14,13 @@ server, which stores each offset once, answers where its copy really ends.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import logging
 import os
+import select
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +31,10 @@ from gpucloud.runtime.logs import read_from
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 256 * 1024
+_IN_MODIFY = 0x00000002
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = os.O_CLOEXEC
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _sequence_length(lead: int) -> int:
@@ -153,3 +161,78 @@ class LogShipper:
         if self._save_failing:
             log.info("log of pod %s: the shipped offset is saved again", self.pod_id)
         self._save_failing = False
+
+
+class LogWatch:
+    """Wakes a waiter the moment a log file is written to, or when another thread asks.
+
+    inotify (``IN_MODIFY`` on the file: one event per write the container makes) and an
+    eventfd, polled together: ``wait`` returns as soon as the container's first bytes land
+    in the file, without a periodic ``stat``. ``open`` gives None where inotify is not
+    available (no such file yet, the per-user limit of inotify instances reached): the
+    caller then looks with ``LogShipper.behind`` instead.
+    """
+
+    def __init__(self, inotify_fd: int, event_fd: int) -> None:
+        self._inotify = inotify_fd
+        self._event = event_fd
+        self._lock = threading.Lock()  # interrupt (any thread) against close
+        self._closed = False
+        self._poller = select.poll()
+        self._poller.register(inotify_fd, select.POLLIN)
+        self._poller.register(event_fd, select.POLLIN)
+
+    @classmethod
+    def open(cls, path: Path) -> LogWatch | None:
+        fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            log.debug("inotify unavailable: %s", os.strerror(ctypes.get_errno()))
+            return None
+        if _libc.inotify_add_watch(fd, os.fsencode(path), _IN_MODIFY) < 0:
+            os.close(fd)
+            return None
+        try:
+            event = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        except OSError:
+            os.close(fd)
+            return None
+        return cls(fd, event)
+
+    def wait(self, timeout: float) -> bool:
+        """Until the file is written to or ``interrupt`` is called (True), at most
+        ``timeout`` seconds (False; 0: only whether that happened already). Writes made
+        before the watch was opened do not count: look at the file's size after ``open``,
+        before waiting."""
+        try:
+            ready = self._poller.poll(max(0.0, timeout) * 1000)
+        except InterruptedError:
+            return False
+        for fd, _events in ready:
+            self._drain(fd)
+        return bool(ready)
+
+    def interrupt(self) -> None:
+        """End a ``wait`` now, or the next one at once (from any thread)."""
+        with self._lock:
+            if not self._closed:
+                try:
+                    os.eventfd_write(self._event, 1)
+                except BlockingIOError:
+                    pass  # the counter is full: a wake-up is pending anyway
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._inotify)
+            os.close(self._event)
+
+    @staticmethod
+    def _drain(fd: int) -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError as error:
+            if error.errno != errno.EAGAIN:
+                raise

@@ -14,10 +14,13 @@ members (``assignment.host_network``: they rendezvous over their nodes' addresse
 
 Spare namespaces: in bridge mode the agent keeps ``spares`` namespaces made ahead
 (runtime/network ``make_spare``); a pod's start claims one (``prepare``) instead of
-running ``ip`` twice. They are made on a thread of their own once no start has claimed one
-for ``spare_idle`` seconds (a start under way has the CPU to itself), never when the
-subnet has fewer free addresses than a margin, and removed when the agent stops. With none
-left (a burst of starts) a start makes its namespace on a thread, as before.
+running ``ip`` twice. They are made on a thread of their own once no start is under way
+(from ``prepare`` to ``started``: its container runs and its first output has shipped) and
+none has begun or ended for ``spare_idle`` seconds, so a start has the CPU to itself and a
+steady stream of starts still finds spares between them; never when the subnet has fewer
+free addresses than a margin; removed when the agent stops. A start that never says it
+``started`` (its worker failed) stops counting after ``START_SECONDS``. With none left (a
+burst of starts) a start makes its namespace on a thread, as before.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from gpucloud.runtime.network import BridgeNetwork, NetworkError, PodAddress
 
 log = logging.getLogger(__name__)
 NETWORK_MODES = ("bridge", "host")
-#: Spare namespaces kept made ahead, and how long no start has claimed one before the
-#: next is made (a start's own work, ~0.1–0.2 s, is then over).
+#: Spare namespaces kept made ahead, and how long after the last start began or ended
+#: (none under way) the next is made.
 SPARE_NAMESPACES = 2
-SPARE_IDLE_SECONDS = 0.25
+SPARE_IDLE_SECONDS = 0.05
+#: A start that has not said ``started`` by then no longer holds the spares back.
+START_SECONDS = 10.0
 #: Spares are made only while the subnet has more free addresses than this (a /29 none).
 SPARE_ADDRESS_MARGIN = 8
 
@@ -126,10 +131,13 @@ class NodeNetwork:
         self._early_lock = threading.Lock()
         self.spares = spares
         self.spare_idle = spare_idle
-        #: Set by each claim (and at start): the spare maker looks whether to make more.
+        #: Set by each start's beginning and end (and at start): the spare maker looks
+        #: whether to make more.
         self._spares_wanted = threading.Event()
         self._closed = threading.Event()
-        self._last_claim = 0.0
+        #: Starts under way (``prepare`` to ``started``): container id -> when it began.
+        self._starting: dict[str, float] = {}
+        self._last_activity = 0.0
         self._spare_maker: threading.Thread | None = None
 
     def start(self) -> None:
@@ -153,21 +161,38 @@ class NodeNetwork:
         assert bridge is not None
         while self._spares_wanted.wait() and not self._closed.is_set():
             self._spares_wanted.clear()
-            while True:  # until no claim for ``spare_idle`` seconds
-                claimed = self._last_claim
-                if self._closed.wait(self.spare_idle):
-                    return
-                if claimed == self._last_claim:
-                    break
+            if not self._settled():
+                return
             while (bridge.spare_count < self.spares and not self._closed.is_set()
                    and bridge.free_addresses() > SPARE_ADDRESS_MARGIN):
+                mark("agent.netns.spare.start")
                 try:
                     bridge.make_spare()
                 except (NetworkError, OSError) as error:
                     log.warning("making a spare network namespace: %s", error)
-                    break  # tried again after the next claim
+                    break  # tried again after the next start
+                finally:
+                    mark("agent.netns.spare.end")
                 if self._spares_wanted.is_set():
-                    break  # a claim meanwhile: wait for the starts to settle first
+                    break  # a start meanwhile: wait for it to end first
+
+    def _settled(self) -> bool:
+        """Wait until no start is under way and none began or ended for ``spare_idle``
+        seconds; False when the network closes meanwhile."""
+        while True:
+            activity = self._last_activity
+            if self._closed.wait(self.spare_idle):
+                return False
+            with self._early_lock:
+                now = time.monotonic()
+                under_way = [began for began in self._starting.values()
+                             if now - began < START_SECONDS]
+            if under_way:  # woken by its end (or another start), else when it times out
+                self._spares_wanted.wait(max(0.0, min(under_way) + START_SECONDS - now))
+                self._spares_wanted.clear()
+                continue
+            if activity == self._last_activity:
+                return True
 
     @property
     def note(self) -> str | None:
@@ -188,6 +213,8 @@ class NodeNetwork:
         bridge = self.bridge
         future: Future[PodAddress] = Future()
         spare = bridge.take_spare(cid) if self.spares > 0 else None
+        with self._early_lock:
+            self._starting[cid] = time.monotonic()
         self._want_spares()
 
         def make() -> None:
@@ -207,8 +234,16 @@ class NodeNetwork:
             self._early[cid] = future
         threading.Thread(target=make, name=f"netns-{cid[:16]}", daemon=True).start()
 
+    def started(self, cid: str) -> None:
+        """The container's start is over (it runs, its first output shipped): spares
+        may be made again once no other start is under way."""
+        with self._early_lock:
+            began = self._starting.pop(cid, None)
+        if began is not None:
+            self._want_spares()
+
     def _want_spares(self) -> None:
-        self._last_claim = time.monotonic()
+        self._last_activity = time.monotonic()
         self._spares_wanted.set()
 
     def ready(self, cid: str) -> None:
@@ -264,6 +299,7 @@ class NodeNetwork:
             self.ready(cid)  # a namespace still being made is removed once made
         except Exception as error:  # noqa: BLE001 - its making failed: remove what is left
             log.debug("container %s: its namespace was not made: %s", cid, error)
+        self.started(cid)  # a start that failed is over too
         self.forwarder.unpublish(cid)
         if self.bridge is not None:
             self.bridge.detach(cid)

@@ -26,7 +26,7 @@ from gpucloud.agent import checkpoints
 from gpucloud.agent.checkpoint_timer import CheckpointTimer
 from gpucloud.agent.connection import AgentStopped, Connection
 from gpucloud.agent.hardware import NodeDevices
-from gpucloud.agent.logship import LogShipper
+from gpucloud.agent.logship import LogShipper, LogWatch
 from gpucloud.agent.metrics import AgentMetrics
 from gpucloud.agent.migration import VolumeReceiver
 from gpucloud.agent.podnetwork import NodeNetwork, PodNet
@@ -45,6 +45,7 @@ from gpucloud.gpu.cdi import CdiError, ContainerEdits
 from gpucloud.gpu.domain import GpuDevice
 from gpucloud.gpu.mig import MigInstance, MigManager
 from gpucloud.gpu.mps import GpuSharing
+from gpucloud.images import Image as StoredImage
 from gpucloud.images import ImageError, ImageManager
 from gpucloud.images.auth import Credentials
 from gpucloud.images.manifest import ImageConfig as StoredImageConfig
@@ -62,6 +63,9 @@ _LIVE = (ContainerState.RUNNING, ContainerState.CREATING)
 #: How long after a start, and how often, the log is watched for the first output.
 FIRST_OUTPUT_SECONDS = 2.0
 FIRST_OUTPUT_POLL_SECONDS = 0.005
+#: How long the Running report waits for output the container has not printed yet at its
+#: start, so that the first line does not queue behind the report at the server.
+FIRST_OUTPUT_HOLD_SECONDS = 0.02
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,9 @@ class PodWorker:
         self._abandoned = assignment is None
         self._net: PodNet | None = None
         self._log_shipper: LogShipper | None = None
+        #: The log's inotify watch while the first output is awaited (``_pause``).
+        self._first_output: LogWatch | None = None
+        self._output_watch_tried = False
         #: The MIG device this attempt runs on (reported with Running).
         self._mig: MigInstance | None = None
         self._stop_wanted = assignment is not None and assignment.desired_state == "stopped"
@@ -245,11 +252,11 @@ class PodWorker:
             self._assignment = assignment
             if assignment.desired_state == "stopped":
                 self._stop_wanted = True
-        self._wake.set()
+        self._poke()
 
     def abandon(self) -> None:
         self._abandoned = True
-        self._wake.set()
+        self._poke()
 
     # -- the worker thread --------------------------------------------------------------
 
@@ -261,6 +268,8 @@ class PodWorker:
             return
         except Exception:  # a bug must not take the agent down; the log says where
             log.exception("worker of container %s failed", self.cid)
+        finally:
+            self._close_output_watch()
 
     def _run(self) -> None:
         status = self._existing()
@@ -328,10 +337,6 @@ class PodWorker:
         if self._stop_wanted:
             self._finish(NOT_STARTED)
             return None
-        # In the background: the pull and the container's start need not wait for the
-        # server's acknowledgement (a cached image's start is milliseconds).
-        self._advance(PodPhase.PULLING, "Pulling", f"pulling image {assignment.image}",
-                      background=True)
         launched = time.monotonic()
         mark("agent.launch")
         try:
@@ -349,23 +354,42 @@ class PodWorker:
         if status is None:
             return None
         if self._gated(status):
+            self._start_over()  # created: the rest waits for the gang's release
             status = self._pass_barrier()
         if status.state is not ContainerState.CREATING:
-            # What the user waits for goes first: output printed already ships before
-            # the Running report (the server stores one write at a time), which then
-            # goes on its own thread while the watch begins.
-            self._shipper().ship()
+            self.node.metrics.start_seconds.observe(time.monotonic() - launched)
+            # What the user waits for goes first: output printed already, or printed
+            # within FIRST_OUTPUT_HOLD_SECONDS, ships before the Running report (the
+            # server stores one write at a time), which then goes on its own thread
+            # while the watch begins.
+            shipper = self._shipper()
+            shipper.ship()
+            if not shipper.shipped_any() and self._await_output(shipper,
+                                                                FIRST_OUTPUT_HOLD_SECONDS):
+                shipper.ship()
             mark("agent.shipped.at.start")
             self._advance(PodPhase.RUNNING, "Started", None, background=True)
-            self.node.metrics.start_seconds.observe(time.monotonic() - launched)
+        self._start_over()
         return status
+
+    def _start_over(self) -> None:
+        """Tell the node's network that this start no longer needs the CPU (spare
+        namespaces are made between starts)."""
+        if self.node.network is not None:
+            self.node.network.started(self.cid)
 
     def _create(self, assignment: AssignmentOut) -> ContainerStatus | None:
         if self.node.network is not None:  # its namespace is made while the rest is
             self.node.network.prepare(self.cid, assignment)
         pulling = time.monotonic()
-        image = self.node.images.pull(assignment.image,
-                                      credentials=pull_credentials(assignment))
+        image = self._stored_image(assignment)
+        if image is None:
+            # In the background: the pull and the container's start need not wait for
+            # the server's acknowledgement.
+            self._advance(PodPhase.PULLING, "Pulling", f"pulling image {assignment.image}",
+                          background=True)
+            image = self.node.images.pull(assignment.image,
+                                          credentials=pull_credentials(assignment))
         self.node.metrics.pull_seconds.observe(time.monotonic() - pulling)
         mark("agent.image.ready")
         if self._abandoned or self._stop_wanted:
@@ -402,6 +426,15 @@ class PodWorker:
                                 restore_from=self._restore_dump(assignment))
         self._restore_checkpoint(assignment)
         return driver.create(self.cid) if assignment.barrier else driver.start(self.cid)
+
+    def _stored_image(self, assignment: AssignmentOut) -> StoredImage | None:
+        """The pod's image when the node's store has it whole (nothing to pull: the pod
+        goes from Scheduled to Running, no Pulling report on the start path); None when
+        it must be pulled (the pull raises what is wrong with the reference)."""
+        try:
+            return self.node.images.get(assignment.image)
+        except ImageError:
+            return None
 
     # -- the start barrier of a job's members -------------------------------------------
 
@@ -493,6 +526,7 @@ class PodWorker:
             self._pause(shipper, first_output_until)
             self._wake.clear()
             status = self.node.driver.status(self.cid)
+        self._close_output_watch()
         if self.checkpoints is not None:
             self.checkpoints.stop()
             if not self._abandoned:
@@ -508,15 +542,58 @@ class PodWorker:
 
     def _pause(self, shipper: LogShipper, first_output_until: float) -> None:
         """Wait the watch interval (or until woken). Until the pod's first output has
-        shipped, for its first ``FIRST_OUTPUT_SECONDS``, the log is looked at every
-        ``FIRST_OUTPUT_POLL_SECONDS`` (a ``stat``) and the wait ends the moment it grows,
-        so the first line reaches the user at once, not up to an interval later."""
+        shipped, for its first ``FIRST_OUTPUT_SECONDS``, the wait ends the moment the log
+        is written to (``LogWatch``: inotify), so the first line reaches the user at once,
+        not up to an interval later; where inotify is unavailable the log is looked at
+        every ``FIRST_OUTPUT_POLL_SECONDS`` (a ``stat``) instead."""
         deadline = time.monotonic() + self.node.watch_interval
+        if not shipper.shipped_any() and time.monotonic() < first_output_until:
+            watch = self._output_watch(shipper)
+            if watch is not None:
+                if self._wake.is_set() or shipper.behind():  # looked after the watch began
+                    return
+                if watch.wait(min(deadline, first_output_until) - time.monotonic()):
+                    return
+        else:
+            self._close_output_watch()
         while not shipper.shipped_any() and time.monotonic() < min(deadline,
                                                                    first_output_until):
             if self._wake.wait(FIRST_OUTPUT_POLL_SECONDS) or shipper.behind():
                 return
         self._wake.wait(max(0.0, deadline - time.monotonic()))
+
+    def _await_output(self, shipper: LogShipper, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the log to be written to (or the worker woken);
+        whether it holds unshipped bytes. Without inotify: no wait."""
+        watch = self._output_watch(shipper)
+        if watch is None or self._wake.is_set():
+            return shipper.behind()
+        if not shipper.behind():  # looked after the watch began: no write is missed
+            watch.wait(seconds)
+        return shipper.behind()
+
+    def _output_watch(self, shipper: LogShipper) -> LogWatch | None:
+        """The inotify watch on the log while the first output is awaited (opened once;
+        None where it cannot be)."""
+        if not self._output_watch_tried:
+            self._output_watch_tried = True
+            with self._lock:
+                self._first_output = LogWatch.open(shipper.log_path)
+        return self._first_output
+
+    def _close_output_watch(self) -> None:
+        with self._lock:
+            watch, self._first_output = self._first_output, None
+        if watch is not None:
+            watch.close()
+
+    def _poke(self) -> None:
+        """Wake the worker: its wait on ``_wake``, or on the log's first output."""
+        self._wake.set()
+        with self._lock:
+            watch = self._first_output
+            if watch is not None:
+                watch.interrupt()
 
     def _pod_checkpoints(self) -> checkpoints.PodCheckpoints | None:
         assignment = self.assignment

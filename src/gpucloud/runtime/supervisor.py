@@ -550,6 +550,7 @@ def _fork_spare(sock: socket.socket) -> socket.socket | None:
     waits on the socket returned for one request (``_spare``). None when it cannot fork
     (requests are then forked for as before)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mark("zygote.spare.fork")
     try:
         child = os.fork()
     except OSError:

@@ -92,6 +92,10 @@ def test_a_spare_is_unreachable_until_a_start_claims_it_as_its_own(
     assert info is not None and info.exit_code == 0, output
     assert f"inet {net.ip}/" in output and "1 packets received" in output
 
+    # Its start is under way until the worker says it is over: no spare is made meanwhile
+    # (the maker waits for ``started``, up to START_SECONDS, not for a quiet interval).
+    assert bridge.spare_count == 1
+    network.started("c1-1")
     wait_until(lambda: bridge.spare_count == 2, what="the pool made whole again")
     driver.remove("c1-1")
     network.detach("c1-1")
