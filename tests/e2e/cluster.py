@@ -37,6 +37,15 @@ from tests.fixtures.postgres import free_port
 
 ADMIN_KEY = "gpc_e2e-admin-key-0123456789"
 LEASE_TTL = 2.0
+#: How long a process started by a test (an agent to its node ``Ready``, a server to its
+#: first answer) may take. Starting one costs 2-4 s of CPU (imports, migrations, the join),
+#: which on a machine at load 20 measured 13-80 s of wall clock; the wait ends as soon as
+#: it is up, and at once if the process exits, so only a hang waits this long.
+START_TIMEOUT = 120.0
+#: The lease of a cloud whose nodes must stay Ready while an agent is down (killed and
+#: started again): longer than such a restart at load 20 (measured over 15 s, the TTL
+#: that was enough on an idle machine).
+PATIENT_LEASE_TTL = 60.0
 T = TypeVar("T")
 
 
@@ -90,6 +99,18 @@ class AgentProcess:
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        """``running``, or fail the test at once with the end of its log."""
+        if not self.running():
+            assert self.process is not None
+            pytest.fail(f"agent {self.name} exited ({self.process.returncode}):\n"
+                        f"{self.log_tail()}")
+        return True
 
     def driver(self) -> RuncDriver:
         return RuncDriver(self.state_dir)
@@ -148,19 +169,33 @@ class Cloud:
         self.agents.append(agent)
         if start:
             agent.start()
-            self.wait_node(name, "Ready")
+            self.wait_started(agent)
         return agent
 
-    def restart_agent(self, agent: AgentProcess, timeout: float = 30) -> None:
+    def wait_started(self, agent: AgentProcess, timeout: float = START_TIMEOUT) -> None:
+        """Until ``agent``'s node is Ready (``START_TIMEOUT``: a process start on a loaded
+        machine); fails at once, with its log, if the agent exits meanwhile."""
+        def check() -> bool:
+            return agent.alive() and any(n.name == agent.name and n.status == "Ready"
+                                         for n in self.client.list_nodes())
+
+        wait_for(check, timeout, f"agent {agent.name} to start and its node to be Ready")
+
+    def restart_agent(self, agent: AgentProcess, timeout: float = START_TIMEOUT) -> None:
         """Kill -9 ``agent`` and start it again; back once the new process holds the lease
         (its fencing token moved on), not merely while the old grant is still Ready."""
         before = self._node(agent.name).fencing_token
         agent.kill()
         agent.start()
+        self.wait_resumed(agent, before, timeout)
 
+    def wait_resumed(self, agent: AgentProcess, before: int,
+                     timeout: float = START_TIMEOUT) -> None:
+        """Until the (re)started ``agent`` holds its node's lease: a fencing token newer
+        than ``before``, Ready; fails at once, with its log, if the agent exits."""
         def resumed() -> bool:
             node = self._node(agent.name)
-            return node.fencing_token > before and node.status == "Ready"
+            return agent.alive() and node.fencing_token > before and node.status == "Ready"
 
         wait_for(resumed, timeout, f"the restarted agent {agent.name} to hold its lease")
 

@@ -12,7 +12,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from gpucloud.images.testing import busybox_image
-from tests.e2e.cluster import Cloud, running_cloud, skip_reason
+from tests.e2e.cluster import PATIENT_LEASE_TTL, Cloud, running_cloud, skip_reason
 from tests.fixtures.registry import (  # noqa: F401 - fixtures are found by name
     Registry,
     basic_auth_registry,
@@ -55,9 +55,10 @@ def cloud(tmp_path: Path) -> Iterator[Cloud]:
 
 @pytest.fixture
 def patient_cloud(tmp_path: Path) -> Iterator[Cloud]:
-    """A fresh server whose leases outlast an agent restart on a loaded machine (15 s), for
-    tests where the node must stay Ready while its agent is briefly down."""
-    with running_cloud(tmp_path, lease_ttl=15.0) as running:
+    """A fresh server whose leases outlast an agent restart on a loaded machine
+    (``PATIENT_LEASE_TTL``), for tests where the node must stay Ready while its agent is
+    briefly down."""
+    with running_cloud(tmp_path, lease_ttl=PATIENT_LEASE_TTL) as running:
         yield running
 
 
@@ -70,7 +71,9 @@ def preempting_cloud(tmp_path: Path) -> Iterator[Cloud]:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_cloud(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cloud]:
-    """A fresh cloud on SQLite, or on a new database of the session's PostgreSQL."""
+    """A fresh cloud on SQLite, or on a new database of the session's PostgreSQL; its
+    tests move pods by stop/start and preemption, never by a lapsed lease, so the lease is
+    ``PATIENT_LEASE_TTL`` (a 2 s one lapsed at load 25 while the agent ran a pod)."""
     url = None
     if request.param == "postgresql":
         base = make_url(request.getfixturevalue("postgres_url"))
@@ -80,5 +83,5 @@ def db_cloud(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cloud]:
             connection.exec_driver_sql(f"CREATE DATABASE {name}")
         engine.dispose()
         url = base.set(database=name).render_as_string(hide_password=False)
-    with running_cloud(tmp_path, database_url=url) as cloud:
+    with running_cloud(tmp_path, database_url=url, lease_ttl=PATIENT_LEASE_TTL) as cloud:
         yield cloud

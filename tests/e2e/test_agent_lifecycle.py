@@ -79,7 +79,7 @@ def test_a_killed_agents_node_goes_lost_and_a_restart_always_pod_moves(
     cloud.wait_log("keeper", "line 3\n")  # the new attempt's log
     assert lost.driver().containers()[0].state is ContainerState.RUNNING  # orphaned
     lost.start()
-    cloud.wait_node(lost.name, "Ready")
+    cloud.wait_started(lost)
     wait_for(lambda: lost.driver().containers() == [], 15,
              "the restarted agent to kill the pod that moved away")
     assert cloud.client.get_pod("keeper").node == survivor

@@ -33,7 +33,7 @@ def test_fixed_layout_pods_get_the_existing_instances(cloud: Cloud,
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps(layout))
     agent.start()
-    cloud.wait_node("fixed", "Ready")
+    cloud.wait_started(agent)
     node = cloud.client.set_mig_policy("fixed", "fixed")
     assert [(m.profile, m.slot) for m in node.gpus[0].mig_instances] == [
         ("3g.40gb", 0), ("3g.40gb", 4)]

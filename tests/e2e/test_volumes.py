@@ -23,7 +23,7 @@ def _agent(cloud: Cloud, name: str) -> AgentProcess:
     agent = cloud.agent(name, start=False)
     agent.args.extend(["--disk-check-interval", "0.2"])
     agent.start()
-    cloud.wait_node(name, "Ready")
+    cloud.wait_started(agent)
     return agent
 
 

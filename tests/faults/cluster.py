@@ -128,7 +128,7 @@ class FaultCloud(Cloud):
         agent.args[:0] = prefix or []
         if start:
             agent.start()
-            self.wait_node(name, "Ready")
+            self.wait_started(agent)
         return agent
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.e2e.cluster import wait_for
+from tests.e2e.cluster import PATIENT_LEASE_TTL, wait_for
 from tests.faults.cluster import COUNTER, IMAGE, fault_cloud, pid_alive, running
 
 
 def test_kill_9_of_the_agent_loses_no_pod(tmp_path: Path, archive: Path,
                                           database_url: str) -> None:
-    with fault_cloud(tmp_path, archive, database_url, lease_ttl=15) as cloud:
+    with fault_cloud(tmp_path, archive, database_url,
+                     lease_ttl=PATIENT_LEASE_TTL) as cloud:
         agent = cloud.node_agent("gpu-a")
         names = [f"p{i}" for i in range(3)]
         for name in names:
@@ -22,10 +23,11 @@ def test_kill_9_of_the_agent_loses_no_pod(tmp_path: Path, archive: Path,
             cloud.wait_log(name, "line 3\n")
         before = {c.container_id: c.pid for c in running(agent)}
         assert len(before) == 3
+        token = cloud.client.get_node("gpu-a").fencing_token
         agent.kill()
         assert all(pid_alive(pid) for pid in before.values())  # the crash spared them
         agent.start()
-        cloud.wait_node("gpu-a", "Ready")
+        cloud.wait_resumed(agent, token)  # the new process holds the lease
         shipped = {name: len(cloud.client.pod_logs(name).text) for name in names}
         def all_grew() -> bool:  # logs ship again: the adopted containers are watched
             return all(len(cloud.client.pod_logs(n).text) > shipped[n] + 50 for n in names)

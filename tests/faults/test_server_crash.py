@@ -12,8 +12,9 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.e2e.cluster import ADMIN_KEY, wait_for
+from tests.e2e.cluster import ADMIN_KEY, START_TIMEOUT, wait_for
 from tests.fixtures.postgres import free_port
 
 CLIENTS = 4
@@ -22,24 +23,31 @@ CLIENTS = 4
 def _start(home: Path, database_url: str, port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "GPUCLOUD_HOME": str(home), "GPUCLOUD_DATABASE_URL": database_url,
            "GPUCLOUD_ADMIN_KEY": ADMIN_KEY}
-    server = subprocess.Popen([sys.executable, "-m", "gpucloud.cli.main", "server", "--port",
-                               str(port), "--ssh-port", "0"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = home.parent / "server.log"
+    with log.open("ab") as out:
+        server = subprocess.Popen([sys.executable, "-m", "gpucloud.cli.main", "server",
+                                   "--port", str(port), "--ssh-port", "0"], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT)
 
     def up() -> bool:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited ({server.returncode}):\n"
+                        f"{log.read_text(errors='replace')[-3000:]}")
         try:
             return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
         except httpx.TransportError:
             return False
 
-    wait_for(up, 30, "the server process to answer")
+    wait_for(up, START_TIMEOUT, "the server process to answer")
     return server
 
 
 def _burst(url: str, client_no: int, acked: list[dict[str, object]],
            asked: list[str]) -> None:
-    """Create pods one after another until the server dies under us."""
-    with httpx.Client(base_url=url, timeout=5,
+    """Create pods one after another until the server dies under us (a kill resets the
+    connections at once; the timeout is only for a slow answer on a loaded machine, which
+    must not end the burst early)."""
+    with httpx.Client(base_url=url, timeout=60,
                       headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
         for number in range(10_000):
             name = f"c{client_no}-{number}"
@@ -68,7 +76,7 @@ def test_kill_9_of_the_server_mid_burst_loses_no_acknowledged_create(
     try:
         for thread in threads:
             thread.start()
-        wait_for(lambda: len(acked) >= 40, 30, "a burst of acknowledged creates")
+        wait_for(lambda: len(acked) >= 40, 60, "a burst of acknowledged creates")
         server.kill()  # SIGKILL, mid-burst: requests are in flight on every client
         server.wait(10)
         for thread in threads:

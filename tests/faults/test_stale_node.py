@@ -59,7 +59,7 @@ def _place_keeper(cloud: FaultCloud, stale: AgentProcess, survivor: AgentProcess
     for agent in (stale, survivor):
         agent.start()
     for agent in (stale, survivor):
-        cloud.wait_node(agent.name, "Ready", timeout=60)
+        cloud.wait_started(agent)
     cloud.client.cordon(survivor.name)
     pod = cloud.create_pod("keeper", IMAGE, COUNTER, gpus=8, restart="always")
     cloud.wait_pod("keeper", "Running")

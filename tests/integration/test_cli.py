@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -233,8 +234,10 @@ def test_server_command_bootstraps_admin_key_once(tmp_path: Path) -> None:
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[str]) -> None:
-    """Poll /healthz until the server answers (a condition, not a fixed sleep)."""
-    for _ in range(600):
+    """Poll /healthz until the server answers (a condition, not a fixed sleep); up to
+    120 s: a server start at load 20 measured up to 80 s (600 polls were about 30 s)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError("the server exited early")
         try:
