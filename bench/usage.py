@@ -654,7 +654,10 @@ def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
         with waits.sampled("create_alone"):  # the last: alone rounds bracket the others
             alone.append(_round_alone(url, args.rounds, args))
         time.sleep(SETTLE_SECONDS)
-        ingest_alone_end = agents.call("ingest", batches, args.per_pod, args.clients, 0)
+        # new sequence numbers (the rounds' feeds use 10,000,000 × round): resent ones
+        # would be acknowledged as duplicates, which measures nothing
+        ingest_alone_end = agents.call("ingest", batches, args.per_pod, args.clients,
+                                       10_000_000 * (args.rounds + 1))
         sent, lease_failures = agents.call("sent"), agents.call("failures")
         seen = waits.report()
     finally:
