@@ -36,7 +36,16 @@ from gpucloud.runtime.network import BridgeNetwork
 from tests.fixtures.postgres import free_port
 
 ADMIN_KEY = "gpc_e2e-admin-key-0123456789"
-LEASE_TTL = 2.0
+#: The lease of a test cloud (the product default). The agent renews every third of it,
+#: so a node stays Ready through an agent stall of up to about 6-10 s, as seen on a loaded
+#: 2-core CI box (a 2 s lease lapsed there: pods went Lost under tests that never asked
+#: for it). GPU health rides on those renewals: a report reaches the server within 3.3 s.
+LEASE_TTL = 10.0
+#: The lease of a cloud whose test makes a node go Lost by killing its agent
+#: (``short_lease_cloud``): the loss is seen about this long after the kill, well inside
+#: those tests' waits, while the surviving nodes (renewing every 1.7 s) still ride out
+#: a stall of a few seconds.
+SHORT_LEASE_TTL = 5.0
 #: How long a process started by a test (an agent to its node ``Ready``, a server to its
 #: first answer) may take. Starting one costs 2-4 s of CPU (imports, migrations, the join),
 #: which on a machine at load 20 measured 13-80 s of wall clock; the wait ends as soon as
@@ -239,7 +248,7 @@ def running_cloud(workdir: Path, lease_ttl: float = LEASE_TTL,
                   ssh_port: int | None = None,
                   database_url: str | None = None, port: int | None = None,
                   **overrides: Any) -> Iterator[Cloud]:
-    """A server on SQLite (or ``database_url``; short lease TTL and restart back-off) on
+    """A server on SQLite (or ``database_url``; ``LEASE_TTL``, short restart back-off) on
     ``port`` (default: a free one); agents added on demand. ``overrides``: other
     ``Settings`` fields."""
     settings = Settings(home=workdir / "home",

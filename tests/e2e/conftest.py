@@ -12,7 +12,13 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from gpucloud.images.testing import busybox_image
-from tests.e2e.cluster import PATIENT_LEASE_TTL, Cloud, running_cloud, skip_reason
+from tests.e2e.cluster import (
+    PATIENT_LEASE_TTL,
+    SHORT_LEASE_TTL,
+    Cloud,
+    running_cloud,
+    skip_reason,
+)
 from tests.fixtures.registry import (  # noqa: F401 - fixtures are found by name
     Registry,
     basic_auth_registry,
@@ -25,8 +31,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that run a cloud need root, runc and the registry; the rest run anywhere."""
     reason = skip_reason()
     for item in items:
-        needs = set(getattr(item, "fixturenames", ())) & {"cloud", "images", "registry",
-                                                            "preempting_cloud"}
+        needs = set(getattr(item, "fixturenames", ())) & {
+        "cloud", "images", "registry", "preempting_cloud", "patient_cloud",
+        "short_lease_cloud", "db_cloud"}
         if "tests/e2e/" in str(item.fspath) and needs:
             item.add_marker(pytest.mark.root)
             if reason:
@@ -48,8 +55,17 @@ def images(registry: Registry) -> PushedImages:  # noqa: F811 - the fixture, by 
 
 @pytest.fixture
 def cloud(tmp_path: Path) -> Iterator[Cloud]:
-    """A fresh server (lease TTL 2 s); agents are added by the test."""
+    """A fresh server (``LEASE_TTL``: no node goes Lost by accident); agents are added by
+    the test."""
     with running_cloud(tmp_path) as running:
+        yield running
+
+
+@pytest.fixture
+def short_lease_cloud(tmp_path: Path) -> Iterator[Cloud]:
+    """A fresh server whose leases lapse soon (``SHORT_LEASE_TTL``), for tests that kill an
+    agent and wait for its node to go Lost."""
+    with running_cloud(tmp_path, lease_ttl=SHORT_LEASE_TTL) as running:
         yield running
 
 

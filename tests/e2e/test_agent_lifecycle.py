@@ -58,8 +58,9 @@ def test_a_restarted_agent_adopts_its_running_pod_and_logs_continue(
 
 
 def test_a_killed_agents_node_goes_lost_and_a_restart_always_pod_moves(
-    cloud: Cloud, images: PushedImages
+    short_lease_cloud: Cloud, images: PushedImages
 ) -> None:
+    cloud = short_lease_cloud  # the killed agent's node must go Lost
     agents = {name: cloud.agent(name) for name in ("gpu-a", "gpu-b")}
     cloud.create_pod("keeper", images.busybox, COUNTER, gpus=8, restart="always")
     first = cloud.wait_pod("keeper", "Running")

@@ -79,8 +79,9 @@ def test_a_counter_continues_from_its_last_checkpoint_on_another_node(
 
 
 def test_killing_the_agent_mid_upload_leaves_the_previous_checkpoint(
-    cloud: Cloud, images: PushedImages
+    short_lease_cloud: Cloud, images: PushedImages
 ) -> None:
+    cloud = short_lease_cloud  # the killed agent's node must go Lost
     node_a = cloud.agent("ck-a")
     cloud.create_pod("halfway", images.busybox, HALFWAY, checkpoint_dir="/ckpt",
                      restart="always")

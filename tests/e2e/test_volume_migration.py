@@ -57,7 +57,9 @@ def test_migrate_moves_the_volume_to_another_agent(cloud: Cloud, images: PushedI
     assert not (destination.state_dir / "volumes-incoming" / pod_id).exists()
 
 
-def test_migrate_from_a_lost_node_is_refused(cloud: Cloud, images: PushedImages) -> None:
+def test_migrate_from_a_lost_node_is_refused(
+        short_lease_cloud: Cloud, images: PushedImages) -> None:
+    cloud = short_lease_cloud  # the killed agent's node must go Lost
     source = cloud.agent("gpu-a")
     _first_run(cloud, images)
     cloud.agent("gpu-b")
