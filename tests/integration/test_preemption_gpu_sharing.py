@@ -41,15 +41,22 @@ def _pods(api: TestClient) -> dict[str, dict[str, Any]]:
     return {p["name"]: p for p in api.get("/v1/pods").json()}
 
 
-def test_a_mig_preemptor_stops_only_the_slices_it_needs(
-        api: TestClient, register_node: Register, schedule: Tick, clock: ManualClock) -> None:
+def _mig_node_running_spot_slices(api: TestClient, register_node: Register, schedule: Tick,
+                                  count: int) -> dict[str, Any]:
+    """One H100 in MIG mode with ``count`` spot 1g.10gb pods placed and running on it."""
     gpus = h100_gpus(1)
     gpus[0].update(mig_capable=True, mig_mode=True)
     node = register_node("mig", gpus=gpus)
-    for i in range(7):
+    for i in range(count):
         _create(api, f"s{i}", "spot", mig="1g.10gb")
     schedule()
     _agent_step(api, node)
+    return node
+
+
+def test_a_mig_preemptor_stops_only_the_slices_it_needs(
+        api: TestClient, register_node: Register, schedule: Tick, clock: ManualClock) -> None:
+    node = _mig_node_running_spot_slices(api, register_node, schedule, 7)
     slots = {p["mig_slot"]: name for name, p in _pods(api).items()}
     assert sorted(slots) == list(range(7))
     _create(api, "big", "on-demand", mig="3g.40gb")
@@ -71,13 +78,7 @@ def test_a_mig_preemptors_reserved_slot_is_taken_for_other_mig_pods(
     """While a MIG preemptor waits for its victims, the slot it reserved counts as taken
     (as a reservation's GPU share does): a MIG pod that arrives meanwhile is not placed
     there, even in the pass where the victims are gone and the preemptor binds."""
-    gpus = h100_gpus(1)
-    gpus[0].update(mig_capable=True, mig_mode=True)
-    node = register_node("mig", gpus=gpus)
-    for i in range(7):
-        _create(api, f"s{i}", "spot", mig="1g.10gb")
-    schedule()
-    _agent_step(api, node)
+    node = _mig_node_running_spot_slices(api, register_node, schedule, 7)
     _create(api, "big", "on-demand", mig="3g.40gb")
     schedule()  # slots 4-7 reserved for it, their three pods asked to stop
     _agent_step(api, node)
@@ -97,13 +98,7 @@ def test_a_mig_preemptor_binds_only_once_its_victims_have_left_the_slot(
     """Four 1g pods and a 3g preemptor: their compute shares add up to less than a GPU
     (4 x 142 + 428 milli), so the share alone would let it bind while its victims still
     hold their slices of its slot; it waits for their stop instead."""
-    gpus = h100_gpus(1)
-    gpus[0].update(mig_capable=True, mig_mode=True)
-    node = register_node("mig", gpus=gpus)
-    for i in range(4):
-        _create(api, f"s{i}", "spot", mig="1g.10gb")
-    schedule()
-    _agent_step(api, node)
+    node = _mig_node_running_spot_slices(api, register_node, schedule, 4)
     _create(api, "big", "on-demand", mig="3g.40gb")
     schedule()
     victims = {n: p["mig_slot"] for n, p in _pods(api).items()
