@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from gpucloud.core.models import AssignmentOut
+from gpucloud.core.phases import PodPhase
 from gpucloud.runtime.driver import ContainerState, RuncDriver
 
 BUSYBOX = Path("/bin/busybox")
@@ -87,3 +89,11 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str =
             pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
+
+
+def scheduled_assignment(pod_id: str) -> AssignmentOut:
+    """A 1-CPU busybox pod with no GPUs as the agent receives it, ready to start."""
+    return AssignmentOut(pod_id=pod_id, name=pod_id, project="p", attempt=1,
+                         desired_state="running", phase=PodPhase.SCHEDULED, image="busybox",
+                         command=[], env={}, cpu_milli=1000, memory_bytes=1 << 30,
+                         gpu_uuids=[], ports=[])

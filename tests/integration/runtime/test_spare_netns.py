@@ -15,21 +15,12 @@ import pytest
 
 from gpucloud.agent.podnetwork import NodeNetwork
 from gpucloud.agent.ports import PortForwarder, listen_hosts
-from gpucloud.core.models import AssignmentOut
-from gpucloud.core.phases import PodPhase
 from gpucloud.runtime.bundle import ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import RuncDriver
 from gpucloud.runtime.network import NETNS_DIR, SPARE_PREFIX, BridgeNetwork
-from tests.integration.runtime.runc_testing import wait_until
+from tests.integration.runtime.runc_testing import scheduled_assignment, wait_until
 
 pytestmark = pytest.mark.root
-
-
-def _assignment(pod_id: str) -> AssignmentOut:
-    return AssignmentOut(pod_id=pod_id, name=pod_id, project="p", attempt=1,
-                         desired_state="running", phase=PodPhase.SCHEDULED, image="busybox",
-                         command=[], env={}, cpu_milli=1000, memory_bytes=1 << 30,
-                         gpu_uuids=[], ports=[])
 
 
 def _network(state_dir: Path, spares: int) -> NodeNetwork:
@@ -73,8 +64,8 @@ def test_a_spare_is_unreachable_until_a_start_claims_it_as_its_own(
         assert "UP" not in host_end["flags"] and "master" not in host_end  # type: ignore[operator]
         assert bridge.address_of(spare) is not None
 
-    network.prepare("c1-1", _assignment("c1"))
-    net = network.attach("c1-1", _assignment("c1"))
+    network.prepare("c1-1", scheduled_assignment("c1"))
+    net = network.attach("c1-1", scheduled_assignment("c1"))
     network.ready("c1-1")
     claimed = (spares - _spare_names(bridge))
     assert len(claimed) == 1 and bridge.address_of(claimed.pop()) is None
@@ -157,8 +148,8 @@ def test_a_container_in_a_claimed_namespace_is_adopted_after_a_restart(
     bridge = network.bridge
     assert bridge is not None
     wait_until(lambda: bridge.spare_count >= 1, what="a spare namespace")
-    network.prepare("c3-1", _assignment("c3"))
-    net = network.attach("c3-1", _assignment("c3"))
+    network.prepare("c3-1", scheduled_assignment("c3"))
+    net = network.attach("c3-1", scheduled_assignment("c3"))
     assert net.netns is not None
     spec = ContainerSpec("c3-1", "c3", netns=net.netns, ip=net.ip,
                          command=("sh", "-c", "httpd -f -p 8000 -h /etc"))

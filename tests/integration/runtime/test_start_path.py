@@ -12,21 +12,12 @@ from pathlib import Path
 import pytest
 
 from gpucloud.agent.podnetwork import NodeNetwork, node_network
-from gpucloud.core.models import AssignmentOut
-from gpucloud.core.phases import PodPhase
 from gpucloud.runtime.bundle import ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import ContainerState, RuncDriver
 from gpucloud.runtime.layout import read_json
-from tests.integration.runtime.runc_testing import RUNC, cleanup, wait_until
+from tests.integration.runtime.runc_testing import RUNC, cleanup, scheduled_assignment, wait_until
 
 pytestmark = pytest.mark.root
-
-
-def _assignment(pod_id: str) -> AssignmentOut:
-    return AssignmentOut(pod_id=pod_id, name=pod_id, project="p", attempt=1,
-                         desired_state="running", phase=PodPhase.SCHEDULED, image="busybox",
-                         command=[], env={}, cpu_milli=1000, memory_bytes=1 << 30,
-                         gpu_uuids=[], ports=[])
 
 
 @pytest.fixture
@@ -41,8 +32,8 @@ def network(tmp_path: Path) -> Iterator[NodeNetwork]:
 
 def test_a_namespace_made_ahead_holds_the_address_the_bundle_names(
         network: NodeNetwork, driver: RuncDriver, busybox_rootfs: Path) -> None:
-    network.prepare("c1-1", _assignment("c1"))
-    net = network.attach("c1-1", _assignment("c1"))  # the address, while it is made
+    network.prepare("c1-1", scheduled_assignment("c1"))
+    net = network.attach("c1-1", scheduled_assignment("c1"))  # the address, while it is made
     assert net.netns is not None
     spec = ContainerSpec("c1-1", "c1", command=("sh", "-c", "ip -4 -o addr show eth0"),
                          netns=net.netns, ip=net.ip)
@@ -59,7 +50,7 @@ def test_a_namespace_made_ahead_holds_the_address_the_bundle_names(
 
 def test_a_namespace_removed_while_it_is_made_leaves_nothing(network: NodeNetwork) -> None:
     assert network.bridge is not None
-    network.prepare("c2-1", _assignment("c2"))
+    network.prepare("c2-1", scheduled_assignment("c2"))
     network.detach("c2-1")  # waits for the making, then removes it
     assert not network.bridge.netns_path("c2-1").exists()
     assert network.bridge.address_of("c2-1") is None
@@ -77,7 +68,7 @@ def test_a_container_in_an_agent_namespace_runs_with_one_runc_run(
     shim.chmod(0o755)
     driver = RuncDriver(tmp_path / "state", runc=str(shim))
     try:
-        net = network.attach("c3-1", _assignment("c3"))
+        net = network.attach("c3-1", scheduled_assignment("c3"))
         spec = ContainerSpec("c3-1", "c3", command=(
             "sh", "-c", "trap 'exit 3' TERM; echo up; while true; do sleep 0.05; done"),
             netns=net.netns, ip=net.ip)
