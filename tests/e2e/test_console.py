@@ -72,6 +72,21 @@ class Console:
     def text(self, css: str) -> str:
         return str(self.driver.find_element(By.CSS_SELECTOR, css).text)
 
+    def row(self, css: str) -> str:
+        """The element's text; when it is missing, a failure that shows which page is open."""
+        found = self.driver.find_elements(By.CSS_SELECTOR, css)
+        if not found:
+            main = self.driver.find_elements(By.TAG_NAME, "main")
+            raise AssertionError(f"no {css} on {self.driver.current_url}: "
+                                 f"{main[0].text if main else self.driver.page_source[:2000]}")
+        return str(found[0].text)
+
+    def wait_redrawn(self) -> None:
+        """Wait out the redraw console.js makes 300 ms after the pod ended."""
+        wait_for(lambda: self.driver.execute_script(
+            "return document.readyState === 'complete' && !document.body.dataset.redraw"),
+            10, "the pod page redrawn after its end")
+
     def shot(self, name: str) -> None:
         self.driver.save_screenshot(str(self.shots / f"{name}.png"))
 
@@ -138,11 +153,12 @@ def test_console_walkthrough_in_chromium(cloud: Cloud, images: PushedImages,
             console.shot("pod-running")
             console.click("form[action$='/stop'] button")
             console.wait_text("#phase", "Stopped")
+            console.wait_redrawn()
             pod = client.get_pod("web")
             assert pod.phase == "Stopped"
 
             console.open("/console/usage")
-            row = console.text("#usage-pods tr[data-pod='web']")
+            row = console.row("#usage-pods tr[data-pod='web']")
             assert row.startswith("web 1 ")  # one run, metered from Running to Stopped
             assert "GPU-hours per day" in console.text("main")
             console.shot("usage")

@@ -68,9 +68,12 @@ function followLogs() {
     if (node && data.node) node.textContent = data.node;
     showStarted(data.started_at);
     // Ended since the page was drawn: draw it again (actions, events and cost change).
+    // A viewer already leaving for another page is not brought back by the redraw.
     if (TERMINAL.includes(data.phase) && !TERMINAL.includes(initial)) {
       source.close();
-      window.setTimeout(() => window.location.reload(), 300);
+      document.body.dataset.redraw = "pending";
+      const redraw = window.setTimeout(() => window.location.reload(), 300);
+      window.addEventListener("beforeunload", () => window.clearTimeout(redraw), { once: true });
     }
     const why = document.getElementById("why-card");
     if (why && data.phase !== "Pending") why.hidden = true;
