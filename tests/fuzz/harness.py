@@ -8,14 +8,24 @@ route, the agent protocol included, is reached with credentials that work.
 
 Used by ``tests/fuzz/test_schemathesis.py`` (fixed seeds, bounded examples) and by
 ``bench/fuzz.py`` (a longer random run).
+
+A run is CPU-bound in one process: the fuzzer's case generation (about four fifths of the
+time) and the server share one interpreter, and nothing in it waits. ``run_keys_at_once``
+therefore gives each key a process, server and database of its own, at a lower CPU priority:
+the runs use cores that the rest of ``make test`` (mostly waiting on agents, leases and
+containers) leaves idle, and yield them to it when it needs them.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +38,11 @@ from tests.fixtures.server import live_server
 
 ADMIN_KEY = "gpc_fuzz-admin-key-0123456789"
 ALL_PHASES = ("examples", "coverage", "fuzzing", "stateful")
+#: The keys a run authenticates with (``Target.key``).
+WHO = ("admin", "project")
+#: The CPU priority of the processes of ``run_keys_at_once`` (``nice``): below the tests
+#: that run beside them, whose agents and leases keep time.
+NICE = 10
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,10 @@ class Target:
     admin_key: str
     project_key: str
     node_token: str
+
+    def key(self, who: str) -> str:
+        """The API key of ``who``: ``admin`` or ``project``."""
+        return {"admin": self.admin_key, "project": self.project_key}[who]
 
 
 @contextmanager
@@ -131,6 +150,61 @@ def run(target: Target, settings: schemathesis.Config) -> Report:
         elif isinstance(event, events.NonFatalError | events.FatalError):
             report.errors.append(_error_line(event))
     return report
+
+
+def fuzz_as(who: str, home: Path, database_url: str, *, seed: int | None,
+            max_examples: int) -> Report:
+    """One key's run (every phase) on a server of its own, on ``database_url``."""
+    with live_target(home, database_url) as target:
+        return run(target, config(target, target.key(who), seed=seed,
+                                  max_examples=max_examples))
+
+
+def run_keys_at_once(jobs: Mapping[str, tuple[Path, str]], *, seed: int | None,
+                     max_examples: int) -> dict[str, Report]:
+    """``fuzz_as`` for each key of ``jobs`` (key → home, database URL), each in a process of
+    its own at ``NICE``, all at once; their reports by key. A process that ends without a
+    report (killed, crashed) fails the run with its exit code."""
+    context = multiprocessing.get_context("spawn")  # the caller's threads stay behind
+    started = []
+    for who, (home, url) in jobs.items():
+        receiver, sender = context.Pipe(duplex=False)
+        process = context.Process(target=_fuzz_in_child, name=f"fuzz-{who}",
+                                  args=(sender, who, home, url, seed, max_examples))
+        process.start()
+        sender.close()
+        started.append((who, process, receiver))
+    reports: dict[str, Report] = {}
+    try:
+        for who, process, receiver in started:
+            try:
+                outcome, value = receiver.recv()
+            except EOFError:
+                process.join()
+                raise RuntimeError(f"the {who} run ended without a report "
+                                   f"(exit code {process.exitcode})") from None
+            if outcome != "report":
+                raise RuntimeError(f"the {who} run failed:\n{value}")
+            reports[who] = value
+    finally:
+        for _, process, receiver in started:
+            if process.is_alive() and len(reports) < len(started):
+                process.kill()
+            process.join()
+            receiver.close()
+    return reports
+
+
+def _fuzz_in_child(sender: Connection, who: str, home: Path, database_url: str,
+                   seed: int | None, max_examples: int) -> None:
+    os.nice(NICE)
+    try:
+        report = fuzz_as(who, home, database_url, seed=seed, max_examples=max_examples)
+    except BaseException:
+        sender.send(("error", traceback.format_exc()))
+        raise
+    sender.send(("report", report))
+    sender.close()
 
 
 def _tally(report: Report, event: events.ScenarioFinished) -> None:

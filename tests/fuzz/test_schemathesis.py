@@ -1,5 +1,6 @@
 """Every route fuzzed by schemathesis, from the server's own OpenAPI document, on SQLite and
-on PostgreSQL, as the admin and as a project: all checks, all phases (examples, coverage,
+on PostgreSQL, as the admin and as a project (each key on a server and database of its
+own, both at once: ``harness.run_keys_at_once``): all checks, all phases (examples, coverage,
 fuzzing, stateful), fixed seeds and bounded examples (``bench/fuzz.py`` runs longer and at
 random).
 
@@ -54,20 +55,24 @@ BOOL_AS_INTEGER = {"POST /v1/priority-classes", "PUT /v1/quotas/{project}"}
 
 
 @pytest.fixture
-def fuzz_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A database of its own: SQLite in the test's directory, or a fresh PostgreSQL
-    database (the other tests' database is emptied under them between tests)."""
+def fuzz_databases(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A database of its own for each key's run (``harness.WHO``): SQLite files in the
+    test's directory, or fresh PostgreSQL databases (the other tests' database is emptied
+    under them between tests)."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'fuzz.db'}"
+        yield {who: f"sqlite:///{tmp_path / f'fuzz-{who}.db'}" for who in harness.WHO}
         return
     base = make_url(request.getfixturevalue("postgres_url"))
-    name = f"fuzz_{uuid.uuid4().hex[:12]}"
+    names = {who: f"fuzz_{who}_{uuid.uuid4().hex[:12]}" for who in harness.WHO}
     admin = base.set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(admin, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
-    yield base.set(database=name).render_as_string(hide_password=False)
+        for name in names.values():
+            connection.execute(f'CREATE DATABASE "{name}"')
+    yield {who: base.set(database=name).render_as_string(hide_password=False)
+           for who, name in names.items()}
     with psycopg.connect(admin, autocommit=True) as connection:
-        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        for name in names.values():
+            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 KNOWN = {"positive_data_acceptance": SCHEMA_LOOSER_THAN_VALIDATION,
@@ -84,24 +89,25 @@ def _unexpected(report: harness.Report) -> list[str]:
     return unexpected
 
 
-@pytest.mark.timeout(900)  # ~140 operations × 2 keys; minutes when the machine is busy
-@pytest.mark.parametrize("fuzz_database", ["sqlite"], indirect=True)
-def test_every_route_holds_under_schemathesis(fuzz_database: str, tmp_path: Path) -> None:
-    """On SQLite; tests/fuzz/test_schemathesis_postgresql.py runs it on PostgreSQL (a file
-    of its own, so that `make test`'s two workers fuzz both databases at once)."""
-    check_every_route(fuzz_database, tmp_path)
-
-
-def check_every_route(fuzz_database: str, tmp_path: Path) -> None:
-    with harness.live_target(tmp_path / "home", fuzz_database) as target:
-        for who, key in (("admin", target.admin_key), ("project", target.project_key)):
-            settings = harness.config(target, key, seed=SEED, max_examples=MAX_EXAMPLES)
-            report = harness.run(target, settings)
-            print(f"{fuzz_database.split(':')[0]} {who}: {report.summary()}")
-            assert report.operations >= 50, report.summary()
-            assert report.cases > 20 * report.operations, report.summary()
-            # An operation the engine could not test (a generator error) is printed.
-            print("\n".join(report.errors))
-            assert not any(line.startswith("fatal") for line in report.errors), report.errors
-            unexpected = _unexpected(report)
-            assert not unexpected, f"{who}: {report.summary()}\n" + "\n".join(unexpected)
+# ~140 operations, two keys at once: minutes when the machine is busy. Both databases in one
+# file, so one xdist worker runs them one after the other while the other worker goes on
+# with the suite (harness.run_keys_at_once: the keys' processes take the idle CPU).
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("fuzz_databases", [
+    "sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True)
+def test_every_route_holds_under_schemathesis(fuzz_databases: dict[str, str],
+                                              tmp_path: Path) -> None:
+    backend = next(iter(fuzz_databases.values())).split(":")[0]
+    reports = harness.run_keys_at_once(
+        {who: (tmp_path / who, url) for who, url in fuzz_databases.items()},
+        seed=SEED, max_examples=MAX_EXAMPLES)
+    for who, report in reports.items():
+        print(f"{backend} {who}: {report.summary()}")
+        # An operation the engine could not test (a generator error) is printed.
+        print("\n".join(report.errors))
+    for who, report in reports.items():
+        assert report.operations >= 50, report.summary()
+        assert report.cases > 20 * report.operations, report.summary()
+        assert not any(line.startswith("fatal") for line in report.errors), report.errors
+        unexpected = _unexpected(report)
+        assert not unexpected, f"{who}: {report.summary()}\n" + "\n".join(unexpected)
