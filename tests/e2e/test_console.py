@@ -24,7 +24,10 @@ from tests.e2e.cluster import ADMIN_KEY, Cloud, wait_for
 from tests.e2e.conftest import PushedImages
 
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    StaleElementReferenceException,
+    WebDriverException,
+)
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -57,6 +60,11 @@ def chromium(downloads: Path) -> Iterator[WebDriver]:
         yield driver
     finally:
         driver.quit()
+
+
+#: Chromium's message when an element found a moment ago left the document (the page was
+#: replaced in between): an "unknown error", not a stale element reference.
+_REPLACED_NODE = "does not belong to the document"
 
 
 class Console:
@@ -96,6 +104,10 @@ class Console:
                 found = self.driver.find_elements(By.CSS_SELECTOR, css)
                 text = str(found[0].text) if found else ""
             except StaleElementReferenceException:
+                return None
+            except WebDriverException as error:  # chromium's form of the same race
+                if _REPLACED_NODE not in str(error.msg):
+                    raise
                 return None
             return text if needle in text else None
 
