@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -61,6 +61,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import pyspy  # noqa: E402
 from tests.fixtures.postgres import free_port, postgres_server  # noqa: E402
+
+from gpucloud.services import lease_ttl  # noqa: E402
 
 ADMIN_KEY = "gpc_fleet-bench-admin-key"
 RESULTS = ROOT / "bench" / "results"
@@ -155,6 +157,9 @@ class AgentStats:
     #: margin left on its lease is TTL minus this (and the last one's latency)
     max_gap_s: float = 0.0
     renewal_error_codes: dict[str, int] = field(default_factory=dict)
+    #: the longest lease TTL a renewal was granted (s): the server's grows with the fleet
+    #: (services/lease_ttl.py), and each agent renews at a third of its latest
+    ttl_max_s: float = 0.0
 
     def record(self, seconds: float) -> None:
         bucket = int(seconds * 1000)
@@ -235,6 +240,8 @@ class SimAgent:
                 if out["new_grant"]:
                     self.stats.unexpected_new_grants += 1
                 self.fencing = out["fencing_token"]
+                self.ttl = float(out["lease_ttl_seconds"])  # as the agent adopts it
+                self.stats.ttl_max_s = max(self.stats.ttl_max_s, self.ttl)
             elif status == 401:  # its token was replaced (a registration answered late,
                 await self.register()  # after its retry): register again, as the agent does
                 continue
@@ -243,6 +250,7 @@ class SimAgent:
                 status, out = await self._lease_request(None)
                 if status == 200:
                     self.fencing = out["fencing_token"]
+                    self.ttl = float(out["lease_ttl_seconds"])
                 else:  # as the agent's renew(): the re-acquire's failure is the renewal's
                     failures += 1  # (retried after the back-off, not a period later)
                     due = time.monotonic() + min(backoff(failures), self.ttl / 3)
@@ -259,7 +267,7 @@ class SimAgent:
             if last_sent is not None:
                 self.stats.max_gap_s = max(self.stats.max_gap_s, sent - last_sent)
             last_sent = sent
-            due = sent + self.ttl / 3 * random.uniform(0.9, 1.1)
+            due = sent + self.ttl / 3 * random.uniform(0.9, 1.0)  # the agent's jitter
 
     async def watch_loop(self) -> None:
         revision: int | None = None
@@ -317,7 +325,8 @@ async def _worker(config: dict[str, Any]) -> None:
         while True:
             await asyncio.sleep(10)
             _emit({"event": "progress", "registered": stats.registered,
-                   "register_retries": stats.register_retries})
+                   "register_retries": stats.register_retries, "renewals": stats.renewals,
+                   "renewal_errors": stats.renewal_errors})
 
     reporting = asyncio.create_task(progress())
     tasks = await asyncio.gather(*(bring_up(a) for a in agents))
@@ -380,6 +389,31 @@ def _group_stats(pgid: int) -> list[list[str]]:
 def group_cpu_seconds(pgid: int) -> float:
     """CPU of every process in process group ``pgid`` (a replica and its workers)."""
     ticks = sum(int(f[11]) + int(f[12]) for f in _group_stats(pgid))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_seconds(database_url: str) -> float:
+    """CPU of the PostgreSQL serving ``database_url`` (the postmaster found by its port,
+    its live backends, and those that exited: the postmaster's reaped children)."""
+    port = database_url.rsplit(":", 1)[1].split("/", 1)[0]
+    ticks = 0
+    master: str | None = None
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with suppress(FileNotFoundError, ProcessLookupError):
+            words = cmdline.read_bytes().split(b"\0")
+            if words and words[0].endswith(b"postgres") and f"-p {port}".encode() in \
+                    b" ".join(words):
+                master = cmdline.parent.name
+                break
+    if master is None:
+        return 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(FileNotFoundError, ProcessLookupError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if stat.parent.name == master:
+                ticks += sum(int(f) for f in fields[11:15])  # its own and reaped children
+            elif fields[1] == master:
+                ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -560,14 +594,18 @@ class Workers:
                 raise RuntimeError(f"workers: {len(self.of(event))}/{count} {event!r}")
             time.sleep(0.2)
 
-    def wait_registered(self, timeout: float) -> None:
-        """Until every worker's agents are registered; the count every 30 s meanwhile."""
+    def wait_registered(self, timeout: float,
+                        usage: Callable[[], str] | None = None) -> None:
+        """Until every worker's agents are registered; the count every 30 s meanwhile,
+        with ``usage()`` (what the machine's cores went to since the last line)."""
         deadline = time.monotonic() + timeout
         shown = time.monotonic()
         while len(self.of("registered")) < len(self.procs):
             if time.monotonic() > shown + 30:
                 shown = time.monotonic()
-                print(f"registered: {self.registered()} (retries {self.register_retries()})",
+                print(f"registered: {self.registered()} (retries {self.register_retries()},"
+                      f" renewals {self.progress('renewals')}, renewal errors "
+                      f"{self.progress('renewal_errors')}) {usage() if usage else ''}",
                       flush=True)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers: {self.registered()} agents registered in "
@@ -581,6 +619,10 @@ class Workers:
                 if message["event"] in ("progress", "registered"):
                     last[index] = message
         return list(last.values())
+
+    def progress(self, key: str) -> int:
+        """The workers' last ``key`` count (their progress lines)."""
+        return sum(m.get(key, 0) for m in self._last_progress())
 
     def registered(self) -> int:
         return sum(m.get("registered", m.get("count", 0)) for m in self._last_progress())
@@ -670,6 +712,13 @@ class Plan:
     #: how long a renewal whose node row is held is sent again before the full path
     #: (GPUCLOUD_LEASE_BUSY_LIMIT, api/lease_capacity.py; 0: at once; None: the default)
     lease_busy_s: float | None = None
+    #: the renewals a second the fleet may send before its TTL grows
+    #: (GPUCLOUD_LEASE_RATE, services/lease_ttl.py; None: the server's default)
+    lease_rate: float | None = None
+
+    def expected_ttl(self) -> float:
+        """The TTL the server grants this fleet once it is registered (lease_ttl.py)."""
+        return lease_ttl.fleet_ttl(self.ttl, self.agents, self.lease_rate or lease_ttl.RATE)
 
     def server_env(self) -> dict[str, str]:
         """The replicas' environment for this plan's server knobs."""
@@ -678,6 +727,8 @@ class Plan:
             env["GPUCLOUD_BIND_CHUNK"] = str(self.bind_chunk)
         if self.lease_busy_s is not None:
             env["GPUCLOUD_LEASE_BUSY_LIMIT"] = str(self.lease_busy_s)
+        if self.lease_rate is not None:
+            env["GPUCLOUD_LEASE_RATE"] = str(self.lease_rate)
         return env
 
 
@@ -757,10 +808,12 @@ def run(plan: Plan) -> dict[str, Any]:
                           plan.ramp_s)
         try:
             with _ramp_profiled(plan, replicas, workers) as ramp_profiles:
-                workers.wait_registered(timeout=plan.ramp_s + 600)
+                workers.wait_registered(timeout=plan.ramp_s + 600, usage=_usage_meter(
+                    replicas, workers, database_url, monitor))
             registered_s = time.time() - started
             print(f"{plan.agents} agents registered in {registered_s:.1f} s", flush=True)
             t0, cpu0 = time.time(), [r.cpu() for r in replicas] + [workers.cpu()]
+            pg0 = postgres_cpu_seconds(database_url)
             if plan.backlog:
                 timeline = _drive_backlog(plan, replicas, ports, workers, monitor)
             else:
@@ -772,6 +825,8 @@ def run(plan: Plan) -> dict[str, Any]:
             elapsed = time.time() - t0
             cpu = [(r.cpu() - c) / elapsed for r, c in zip(replicas, cpu0, strict=False)]
             agent_cpu = (workers.cpu() - cpu0[-1]) / elapsed
+            timeline["postgres_cpu_cores"] = round(
+                (postgres_cpu_seconds(database_url) - pg0) / elapsed, 2)
             _trace_false_lost(workers, monitor, timeline)
             workers.send("stop")
             workers.wait_for("stats", len(workers.procs), timeout=60)
@@ -781,6 +836,38 @@ def run(plan: Plan) -> dict[str, Any]:
         monitor.join(timeout=5)
         return _summarize(plan, workers, monitor, timeline, elapsed, cpu, agent_cpu,
                           registered_s)
+
+
+def _usage_meter(replicas: list[Replica], workers: Workers, database_url: str,
+                 monitor: Monitor) -> Callable[[], str]:
+    """A function that says the cores each part used since its last call (the replicas,
+    PostgreSQL, the agent workers), the load average, the renewals a second and what
+    PostgreSQL's active sessions were doing most meanwhile."""
+    def sample() -> tuple[float, list[float], int]:
+        return (time.monotonic(), [r.cpu() for r in replicas]
+                + [postgres_cpu_seconds(database_url), workers.cpu()],
+                workers.progress("renewals"))
+
+    waits = [dict(monitor.waits)]
+
+    last = [sample()]
+
+    def usage() -> str:
+        now = sample()
+        (t0, cpu0, renewed0), (t1, cpu1, renewed1) = last[0], now
+        last[0] = now
+        names = [r.name for r in replicas] + ["pg", "agents"]
+        cores = " ".join(f"{n} {(b - a) / (t1 - t0):.2f}"
+                         for n, a, b in zip(names, cpu0, cpu1, strict=True))
+        now_waits = dict(monitor.waits)
+        top = sorted(((n - waits[0].get(k, 0), k) for k, n in now_waits.items()),
+                     reverse=True)[:3]
+        waits[0] = now_waits
+        return (f"cores: {cores}; load {os.getloadavg()[0]:.1f};"
+                f" renewals/s {(renewed1 - renewed0) / (t1 - t0):.0f}; pg active: "
+                + ", ".join(f"{k} x{n}" for n, k in top if n > 0))
+
+    return usage
 
 
 def _drive(plan: Plan, replicas: list[Replica], ports: list[int], workers: Workers,
@@ -810,7 +897,7 @@ def _drive(plan: Plan, replicas: list[Replica], ports: list[int], workers: Worke
     workers.send(f"kill {per}")
     workers.wait_for("killed", len(workers.procs), timeout=30)
     # however long the waves took, the kills get TTL + 2 s (and a margin) to be detected
-    time.sleep(max(end - time.time(), plan.ttl + 5))
+    time.sleep(max(end - time.time(), plan.expected_ttl() + 5))
     return timeline
 
 
@@ -1098,13 +1185,16 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
     killed_at = timeline.get("leader_killed_at") or 0.0
     first_lost = [min(monitor.entries[n]) - killed_at for n in false_lost]
     renewals = sum(s["renewals"] for s in stats)
+    # the TTL the agents were granted (the fleet's: longer than --ttl for a large fleet)
+    granted_ttl = max([plan.ttl, *(s.get("ttl_max_s", 0.0) for s in stats)])
     return {
         "mode": "quick" if plan.quick else "full",
         "agents": plan.agents, "agent_processes": plan.processes,
         "topology": plan.topology, "replicas": len(TOPOLOGIES[plan.topology]),
         "bind_chunk": plan.bind_chunk, "lease_busy_limit_s": plan.lease_busy_s,
         "server_workers_per_replica": plan.server_workers,
-        "lease_ttl_s": plan.ttl, "measured_s": round(elapsed, 1),
+        "lease_ttl_s": plan.ttl, "lease_ttl_granted_s": granted_ttl,
+        "lease_rate": plan.lease_rate, "measured_s": round(elapsed, 1),
         "register_all_s": round(registered_s, 1), "register_ramp_s": plan.ramp_s,
         "register_retries": sum(s["register_retries"] for s in stats),
         "register_error_codes": _summed(s.get("register_error_codes", {}) for s in stats),
@@ -1124,7 +1214,8 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "killed_agents": len(killed),
         "lost_detected": len(detection),
         "detection_max_s": round(max(detection.values()), 2) if detection else None,
-        "detection_within_ttl_plus_2": sum(d <= plan.ttl + 2 for d in detection.values()),
+        "detection_within_ttl_plus_2": sum(d <= granted_ttl + 2
+                                           for d in detection.values()),
         "undetected": undetected[:20],
         "pods": plan.pods,
         "pods_bound": monitor.samples[-1][2] if monitor.samples else 0,
@@ -1136,6 +1227,8 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "cpu_cores_per_replica": {name: round(c, 2) for (name, *_), c in
                                   zip(TOPOLOGIES[plan.topology], cpu, strict=True)},
         "cpu_cores_agent_workers": round(agent_cpu, 2),
+        "cpu_cores_postgres": timeline.get("postgres_cpu_cores"),
+        "load_average_1m": round(os.getloadavg()[0], 1),
         "machine_cores": os.cpu_count(),
         "waves": {"1": timeline.get("wave1"), "2": timeline.get("wave2")},
         "postgres_active_waits": dict(sorted(monitor.waits.items(),
@@ -1177,6 +1270,10 @@ def main() -> None:
     parser.add_argument("--lease-busy-limit", type=float, metavar="SECONDS",
                         help="how long a renewal whose node row is held is sent again "
                         "before the full path (GPUCLOUD_LEASE_BUSY_LIMIT; 0: at once)")
+    parser.add_argument("--lease-rate", type=float, metavar="PER_S",
+                        help="renewals a second the fleet may send before the server "
+                        "lengthens its lease TTL (GPUCLOUD_LEASE_RATE; default: the "
+                        "server's, 1,000)")
     parser.add_argument("--variants", metavar="V1,V2,...",
                         help="run the bench once per variant named, in this order (a "
                         "name may repeat: shared,split,shared,split), each on a fresh "
@@ -1198,7 +1295,7 @@ def main() -> None:
                 pods=args.pods or (2000 if quick else 20_000), quick=quick,
                 server_workers=args.server_workers, backlog=args.backlog,
                 profile_s=args.profile, bind_chunk=args.bind_chunk,
-                lease_busy_s=args.lease_busy_limit)
+                lease_busy_s=args.lease_busy_limit, lease_rate=args.lease_rate)
     plan.ramp_s = plan.agents / 100 if args.ramp is None else args.ramp
     if args.variants:
         _run_variants(plan, args.variants.split(","))
@@ -1245,6 +1342,8 @@ def variant_plan(plan: Plan, variant: str) -> Plan:
                 out = replace(out, bind_chunk=int(value))
             elif name == "busy" and float(value) >= 0:
                 out = replace(out, lease_busy_s=float(value))
+            elif name == "rate" and float(value) > 0:
+                out = replace(out, lease_rate=float(value))
             else:
                 raise ValueError(knob)
         except ValueError:

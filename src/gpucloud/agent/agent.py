@@ -299,7 +299,7 @@ class Agent:
         sent, agent/renewal.py), holding the current fencing token; retry sooner (but
         never later than that) while the server cannot be reached."""
         backoff = Backoff()
-        schedule = RenewalSchedule(lambda: self.conn.lease_ttl_seconds / 3)
+        schedule = RenewalSchedule(self.conn.renewal_period)  # TTL/3, jittered
         while not self.stop_event.wait(schedule.wait_seconds()):
             sent = schedule.sending()
             try:

@@ -15,6 +15,7 @@ jittered upwards, so a fleet refused together does not come back together).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -103,6 +104,13 @@ class Connection:
         dead replica behind the balancer) is sent again while the lease still holds,
         not after 30 s, when the node is Lost already."""
         return self.lease_ttl_seconds / 2
+
+    def renewal_period(self) -> float:
+        """The time from one renewal's send to the next: a third of the TTL (the server's
+        latest, which grows with the fleet: services/lease_ttl.py), less up to a tenth at
+        random, so that a fleet that registered or came back together spreads out instead
+        of renewing in lockstep; never later than TTL/3."""
+        return self.lease_ttl_seconds / 3 * random.uniform(0.9, 1.0)
 
     def _adopt(self, client: AgentClient, token: int, ttl: float) -> None:
         with self._lock:

@@ -45,7 +45,7 @@ from gpucloud.core.models import LeaseRequest, LeaseResponse
 from gpucloud.core.per_loop import PerLoop
 from gpucloud.core.tunables import number_from_env
 from gpucloud.db.session import Database
-from gpucloud.services import lease_batch
+from gpucloud.services import lease_batch, lease_ttl
 from gpucloud.services.context import ServiceContext
 
 #: Threads for the renewals' full path (new grants, stale tokens, health news).
@@ -145,7 +145,7 @@ def check_fresh(ctx: ServiceContext, received_at: datetime | None) -> None:
     if received_at is None:
         return
     waited = (ctx.clock.now() - received_at).total_seconds()
-    if waited > ctx.settings.lease_ttl_seconds * MAX_WAIT_FRACTION:
+    if waited > lease_ttl.cached(ctx) * MAX_WAIT_FRACTION:  # no query: on the event loop
         raise HTTPException(503, f"the renewal waited {waited:.1f} s in a busy server; "
                                  "send it again")
 

@@ -15,6 +15,12 @@ from gpucloud.core.settings import MULTIPROC_ENV, Settings
 #: How long a stopping server waits for requests in flight: agents' long polls (up to
 #: 60 s) are cut, and the agents simply poll again.
 SHUTDOWN_SECONDS = 3
+#: How long an idle keep-alive connection stays open (uvicorn's default is 5 s). Longer
+#: than an agent's renewal period (TTL/3, and the TTL grows with the fleet:
+#: services/lease_ttl.py), else every renewal pays a new TCP connection on both sides
+#: (bench/fleet.py: a third of an agent worker's time in connect at TTL 30); and longer
+#: than a load balancer's idle timeout in front (60 s on most), as nginx's 75 s.
+KEEP_ALIVE_SECONDS = 75
 DEFAULT_SSH_PORT = 2222
 
 
@@ -61,12 +67,14 @@ def server(
             from gpucloud.api.app import create_app  # noqa: PLC0415
 
             uvicorn.run(create_app(settings), host=host, port=port, access_log=access_log,
-                        log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_SECONDS)
+                        log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_SECONDS,
+                        timeout_keep_alive=KEEP_ALIVE_SECONDS)
         else:
             metrics_dir(settings.home)
             uvicorn.run("gpucloud.api.app:create_app", factory=True, workers=workers,
                         host=host, port=port, access_log=access_log, log_level=log_level,
-                        timeout_graceful_shutdown=SHUTDOWN_SECONDS)
+                        timeout_graceful_shutdown=SHUTDOWN_SECONDS,
+                        timeout_keep_alive=KEEP_ALIVE_SECONDS)
 
 
 def metrics_dir(home: Path) -> None:

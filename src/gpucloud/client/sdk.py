@@ -136,13 +136,18 @@ def _retry_after(value: str | None) -> float | None:
 
 
 class _Base:
+    #: how long an idle connection is kept for the next request (httpx's default: 5 s)
+    keepalive_expiry = 5.0
+
     def __init__(self, url: str, token: str | None, transport: httpx.BaseTransport | None = None,
                  timeout: float = 30.0) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
         self._transport = transport
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                              keepalive_expiry=self.keepalive_expiry)  # httpx's, but that
         self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport,
-                                  timeout=timeout)
+                                  timeout=timeout, limits=limits)
 
     def close(self) -> None:
         self._http.close()
@@ -476,6 +481,12 @@ class GpucloudClient(_Base):
 
 class AgentClient(_Base):
     """The node agent's side of the protocol; authenticated with the node token."""
+
+    #: Longer than a renewal's period (TTL/3; the TTL grows with the fleet,
+    #: services/lease_ttl.py), else each renewal opens a new connection; shorter than the
+    #: server's keep-alive (cli/server.py, 75 s), so that the agent, not the server, closes
+    #: an idle one (no request sent on a connection the server is closing).
+    keepalive_expiry = 60.0
 
     def register(self, request: NodeRegisterRequest) -> NodeRegisterResponse:
         return self._typed(NodeRegisterResponse, "POST", "/v1/agent/register",

@@ -22,6 +22,7 @@ from gpucloud.services import (
     drain,
     gangs,
     leadership,
+    lease_ttl,
     max_duration,
     metrics,
     nodes,
@@ -242,8 +243,8 @@ class NodeLeaseController:
             self._active_since = self.ctx.clock.now()
             self._last_look = None
             self._refresh = True
-            self.startup_grace = max(self.startup_grace,
-                                     timedelta(seconds=self.ctx.settings.lease_ttl_seconds))
+            self.startup_grace = max(self.startup_grace,  # the fleet's (lease_ttl.py)
+                                     timedelta(seconds=lease_ttl.current(self.ctx)))
 
     def tick(self) -> list[str]:
         with self._lock:
@@ -276,7 +277,7 @@ class NodeLeaseController:
     def _catching_up(self, now: datetime) -> bool:
         """After the grace: whether lapsed nodes are still coming back (see the class)."""
         assert self._active_since is not None
-        ttl = self.ctx.settings.lease_ttl_seconds
+        ttl = lease_ttl.current(self.ctx)
         if self._caught_up or now >= self._active_since + timedelta(
                 seconds=ttl * CATCH_UP_MAX_TTLS):
             self._caught_up = True
@@ -302,7 +303,7 @@ class NodeLeaseController:
         if last is None:
             return
         jump = (now - last[0]).total_seconds() - (self._last_look[1] - last[1])
-        if abs(jump) <= self.ctx.settings.lease_ttl_seconds / 2:
+        if abs(jump) <= lease_ttl.current(self.ctx) / 2:
             return
         shift = timedelta(seconds=jump)
         if self._active_since is not None:
@@ -348,6 +349,8 @@ class AutoscaleController:
         self._delivering: Future[int] | None = None
 
     def tick(self) -> list[str]:
+        if not serverless_queue.has_work(self.ctx):  # no endpoint, no request: one read
+            return []
         serverless_queue.expire(self.ctx)
         done = autoscale.autoscale(self.ctx)
         if self._delivering is None or self._delivering.done():

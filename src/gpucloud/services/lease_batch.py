@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from sqlalchemy import ColumnElement, select, tuple_, update
+from sqlalchemy import BigInteger, ColumnElement, Connection, String, select, tuple_, update
 
 from gpucloud.core.models import LeaseRequest, LeaseResponse
 from gpucloud.core.phases import NodeStatus
 from gpucloud.db.models import NodeModel
+from gpucloud.services import lease_ttl, row_sources
 from gpucloud.services.context import ServiceContext, hash_secret, secret_matches
 
 #: Renewals per statement: (hash, token) pairs stay well under SQLite's 32,766 parameters.
@@ -82,12 +83,28 @@ def renew_many(ctx: ServiceContext, renewals: list[Renewal]) -> list[Outcome]:
     return out
 
 
-def _guard(pairs: set[tuple[str, int | None]], now: datetime,
+def _pairs_in(connection: Connection, pairs: set[tuple[str, int | None]]
+              ) -> tuple[ColumnElement[bool], dict[str, list[object]]]:
+    """``(token_hash, fencing_token) IN pairs`` and its parameters: on PostgreSQL two
+    arrays read back by ``unnest`` (services/row_sources.py: one statement text, cached,
+    whatever the batch's size, instead of two placeholders per renewal rendered and
+    adapted in Python every time, twice a statement); SQLite keeps the plain list."""
+    ordered = sorted(pairs, key=lambda p: (p[0], p[1] or 0))
+    if not row_sources.arrays(connection):
+        return tuple_(NodeModel.token_hash, NodeModel.fencing_token).in_(ordered), {}
+    source = row_sources.unnest("lease", [("hash", String), ("fencing", BigInteger)])
+    clause = tuple_(NodeModel.token_hash, NodeModel.fencing_token).in_(
+        select(source.c.hash, source.c.fencing))
+    return clause, {"lease_hash": [h for h, _ in ordered],
+                    "lease_fencing": [f for _, f in ordered]}
+
+
+def _guard(pairs_in: ColumnElement[bool], now: datetime,
            auto_uncordon: bool) -> list[ColumnElement[bool]]:
-    """The single renewal's guard, per row: its (token hash, fencing token) pair, the
-    grant current (``Ready``, not lapsed) and, to renew without uncordoning, no cordon
-    reason (else: uncordon, the full path)."""
-    guard = [tuple_(NodeModel.token_hash, NodeModel.fencing_token).in_(sorted(pairs)),
+    """The single renewal's guard, per row: its (token hash, fencing token) pair
+    (``pairs_in``), the grant current (``Ready``, not lapsed) and, to renew without
+    uncordoning, no cordon reason (else: uncordon, the full path)."""
+    guard = [pairs_in,
              NodeModel.status == NodeStatus.READY.value, NodeModel.lease_expires_at > now]
     if auto_uncordon:
         guard.append(NodeModel.cordon_reason.is_(None))
@@ -97,7 +114,7 @@ def _guard(pairs: set[tuple[str, int | None]], now: datetime,
 def _renew_chunk(ctx: ServiceContext, renewals: list[Renewal], indices: list[int],
                  auto_uncordon: bool, out: list[Outcome]) -> None:
     now = ctx.clock.now()
-    ttl = ctx.settings.lease_ttl_seconds
+    ttl = lease_ttl.current(ctx)
     expires = min([now, *(r.received_at for i in indices
                           if (r := renewals[i]).received_at is not None)]
                   ) + timedelta(seconds=ttl)
@@ -105,27 +122,30 @@ def _renew_chunk(ctx: ServiceContext, renewals: list[Renewal], indices: list[int
     for i in indices:
         by_hash[hash_secret(renewals[i].token)].append(i)
     pairs = {(h, renewals[i].request.fencing_token) for h, ii in by_hash.items() for i in ii}
-    guard = _guard(pairs, now, auto_uncordon)
-    # A row another transaction holds (a scheduling pass claiming its node) is skipped,
-    # not waited for: one statement locking many rows never waits in a cycle with another
-    # (PostgreSQL; SQLite has one writer), nor behind a bind that holds its node.
-    free = select(NodeModel.id).where(*guard).with_for_update(skip_locked=True)
-    statement = (update(NodeModel).where(NodeModel.id.in_(free.scalar_subquery()), *guard)
-                 .values(lease_expires_at=expires, lease_renewed_at=now)
-                 .returning(NodeModel.token_hash, NodeModel.fencing_token))
     held: list[tuple[str, int]] = []
     with ctx.db.engine.connect() as connection:
+        pairs_in, params = _pairs_in(connection, pairs)
+        guard = _guard(pairs_in, now, auto_uncordon)
+        # A row another transaction holds (a scheduling pass claiming its node) is
+        # skipped, not waited for: one statement locking many rows never waits in a cycle
+        # with another (PostgreSQL; SQLite has one writer), nor behind a bind that holds
+        # its node.
+        free = select(NodeModel.id).where(*guard).with_for_update(skip_locked=True)
+        statement = (update(NodeModel).where(NodeModel.id.in_(free.scalar_subquery()), *guard)
+                     .values(lease_expires_at=expires, lease_renewed_at=now)
+                     .returning(NodeModel.token_hash, NodeModel.fencing_token))
         if ctx.db.is_sqlite:
             with connection.begin():
                 rows = connection.execute(statement).all()
         else:  # one statement: autocommit, a single round trip
             auto = connection.execution_options(isolation_level="AUTOCOMMIT")
-            rows = auto.execute(statement).all()
+            rows = auto.execute(statement, params).all()
             missed = pairs - {(h, f) for h, f in rows}
             if missed:  # of those not renewed, the rows skipped while their guard held
+                missed_in, missed_params = _pairs_in(connection, missed)
                 held = [(h, f) for h, f in auto.execute(  # (no lock: it never waits)
                     select(NodeModel.token_hash, NodeModel.fencing_token)
-                    .where(*_guard(missed, now, auto_uncordon)))]
+                    .where(*_guard(missed_in, now, auto_uncordon)), missed_params)]
     _answer(renewals, by_hash, rows, lambda f: LeaseResponse(
         fencing_token=f, lease_expires_at=expires, lease_ttl_seconds=ttl, new_grant=False),
         out)

@@ -34,7 +34,7 @@ from gpucloud.core.phases import (
 from gpucloud.core.spot import DrainState, NodeDrainOut, StopReason
 from gpucloud.db.models import NodeModel, PodModel
 from gpucloud.db.session import on_commit, rows_changed
-from gpucloud.services import gpu_maintenance, join_tokens, spot, wakeups
+from gpucloud.services import gpu_maintenance, join_tokens, lease_ttl, spot, wakeups
 from gpucloud.services.context import (
     ServiceContext,
     hash_secret,
@@ -94,7 +94,7 @@ def register_node(ctx: ServiceContext, request: NodeRegisterRequest,
 def _register(ctx: ServiceContext, request: NodeRegisterRequest, now: datetime,
               before_commit: Callable[[], None] | None) -> NodeRegisterResponse:
     secret = new_secret("gpn")
-    ttl = ctx.settings.lease_ttl_seconds
+    ttl = lease_ttl.current(ctx)
     gateway_keys = gateway_public_keys(ctx.settings.home)
     with ctx.db.transaction() as session:
         node = session.scalar(select(NodeModel).where(NodeModel.name == request.name))
@@ -198,7 +198,7 @@ def renew_current(ctx: ServiceContext, token: str, request: LeaseRequest) -> Lea
             or request.node_fault is not None or request.gpu_actions:
         return None
     now = ctx.clock.now()
-    ttl = ctx.settings.lease_ttl_seconds
+    ttl = lease_ttl.current(ctx)
     expires = now + timedelta(seconds=ttl)
     guard = [NodeModel.token_hash == hash_secret(token),
              NodeModel.fencing_token == request.fencing_token,
@@ -244,7 +244,7 @@ def renew_lease(ctx: ServiceContext, node_id: str, fencing_token: int | None,
     expiry counts from ``received_at`` (when the server got it) where given.
     """
     now = ctx.clock.now()
-    ttl = ctx.settings.lease_ttl_seconds
+    ttl = lease_ttl.current(ctx)
     with ctx.db.transaction() as session:
         node = session.get_one(NodeModel, node_id, with_for_update=True)
         if fencing_token is not None:
@@ -407,7 +407,7 @@ def rebase_leases(ctx: ServiceContext, alive_at: datetime) -> int:
     renew against the new time); backwards, a node that dies is still found within a TTL.
     Leases lapsed before the jump stay lapsed. Returns how many leases it moved."""
     now = ctx.clock.now()
-    fresh = now + timedelta(seconds=ctx.settings.lease_ttl_seconds)
+    fresh = now + timedelta(seconds=lease_ttl.current(ctx))
     with ctx.db.transaction() as session:
         return rows_changed(session, update(NodeModel).where(
             NodeModel.status == NodeStatus.READY.value,
@@ -423,7 +423,7 @@ def refresh_leases(ctx: ServiceContext, now: datetime) -> int:
     flight); a node that is really gone is still found one TTL after the change. Returns
     how many leases it moved. ``now`` is the caller's, so that its wait ends exactly
     when the fresh leases can lapse."""
-    fresh = now + timedelta(seconds=ctx.settings.lease_ttl_seconds)
+    fresh = now + timedelta(seconds=lease_ttl.current(ctx))
     with ctx.db.transaction() as session:
         return rows_changed(session, update(NodeModel).where(
             NodeModel.status == NodeStatus.READY.value,
