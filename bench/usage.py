@@ -29,6 +29,10 @@ bench/results/usage.json.
 
     .venv/bin/python bench/usage.py [--pods 1000] [--nodes 100] [--samples 200000]
         [--rounds 10] [--creates 500]
+    .venv/bin/python bench/usage.py --ingest-only [--passes 3] [--output …]
+
+The ingest-alone passes send batches encoded before each pass's clock starts (the
+agents stand for other machines); ``--ingest-only`` runs only such passes, each reported.
 """
 
 from __future__ import annotations
@@ -277,7 +281,8 @@ def _shares(seen: Counter[tuple[str, str]], ticks: int) -> dict[str, Any]:
     return out
 
 
-def _feed(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int, clients: int
+def _feed(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int, clients: int,
+          pre_encode: bool = False
           ) -> tuple[threading.Thread, threading.Event, dict[str, Any]]:
     """Ingest on a thread at ``nice`` AGENTS_NICE (Linux: per thread) until its event is
     set or ``batches`` per node are sent; the result fills in."""
@@ -285,7 +290,8 @@ def _feed(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int, cli
 
     def run() -> None:
         os.setpriority(os.PRIO_PROCESS, 0, AGENTS_NICE)  # this thread only
-        result.update(asyncio.run(ingest(url, nodes, batches, per_pod, clients, until=done)))
+        result.update(asyncio.run(ingest(url, nodes, batches, per_pod, clients, until=done,
+                                         pre_encode=pre_encode)))
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -308,7 +314,8 @@ def _agents_main(pipe: Connection, url: str, registered: list[dict[str, Any]]) -
         elif command == "ingest":  # batches, per_pod, clients, seq_offset
             for node in nodes:
                 node["seq_offset"] = args[3]
-            thread, _, answer = _feed(url, nodes, args[0], args[1], args[2])
+            thread, _, answer = _feed(url, nodes, args[0], args[1], args[2],
+                                      pre_encode=True)
             thread.join()
         elif command == "feed":  # until "stop": per_pod, clients, seq_offset
             for node in nodes:
@@ -393,14 +400,19 @@ async def _send(client: NodeClient, body: bytes, tally: Tally) -> bool:
 
 
 async def _node_loop(port: int, node: dict[str, Any], batches: int, per_pod: int,
-                     start: datetime, tally: Tally, until: threading.Event | None) -> None:
+                     start: datetime, tally: Tally, until: threading.Event | None,
+                     bodies: list[bytes] | None = None) -> None:
+    """Send the node's batches: ``bodies`` when given (encoded before the pass), else
+    each encoded just before it goes."""
     client = NodeClient(port, node["node_token"])
     await client.connect()
     try:
         for index in range(batches):
             if until is not None and until.is_set():
                 return
-            if not await _send(client, _batch(node, index * per_pod, per_pod, start), tally):
+            body = (bodies[index] if bodies is not None
+                    else _batch(node, index * per_pod, per_pod, start))
+            if not await _send(client, body, tally):
                 return  # refused for good (counted in errors): this node stops
             node["sent"] = node.get("sent", 0) + per_pod * len(node["pods"])
     finally:
@@ -408,18 +420,28 @@ async def _node_loop(port: int, node: dict[str, Any], batches: int, per_pod: int
 
 
 async def ingest(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int,
-                 clients: int, until: threading.Event | None = None) -> dict[str, Any]:
+                 clients: int, until: threading.Event | None = None,
+                 pre_encode: bool = False) -> dict[str, Any]:
     """``clients`` node connections at a time, each posting ``batches`` batches (or until
-    ``until`` is set, then stopping after the batch in hand)."""
+    ``until`` is set, then stopping after the batch in hand). ``pre_encode``: every batch
+    encoded before the clock starts (ingest alone: see below)."""
     port = int(url.rsplit(":", 1)[1])
     start = datetime.now(UTC) - timedelta(hours=1)
     tally = Tally()
     gate = asyncio.Semaphore(clients)
     before = sum(n.get("sent", 0) for n in nodes)
+    # A bounded pass (ingest alone) has its batches encoded before the clock starts: the
+    # agents stand for other machines, so their JSON encoding is no part of what the
+    # server ingests per second (an open-ended feed encodes as it goes, at nice 19).
+    encoding = time.perf_counter()
+    bodies = ({id(n): [_batch(n, index * per_pod, per_pod, start) for index in range(batches)]
+               for n in nodes if n["pods"]} if pre_encode else {})
+    encode_seconds = time.perf_counter() - encoding
 
     async def one(node: dict[str, Any]) -> None:
         async with gate:
-            await _node_loop(port, node, batches, per_pod, start, tally, until)
+            await _node_loop(port, node, batches, per_pod, start, tally, until,
+                             bodies.get(id(node)))
 
     began = time.perf_counter()
     await asyncio.gather(*(one(n) for n in nodes if n["pods"]))
@@ -429,7 +451,8 @@ async def ingest(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: i
     return {"samples": sent, "seconds": round(elapsed, 3),
             "samples_per_second": round(sent / elapsed, 1), "shed_503": tally.shed,
             "batches_retried": tally.retried_batches, "errors": dict(tally.errors),
-            "batch_samples": per_pod * round(pods / max(1, len(nodes)))}
+            "batch_samples": per_pod * round(pods / max(1, len(nodes))),
+            "pre_encoded": pre_encode, "encode_seconds": round(encode_seconds, 3)}
 
 
 async def _creates(url: str, prefix: str, count: int, clients: int) -> dict[str, Any]:
@@ -566,7 +589,13 @@ def main() -> None:
     parser.add_argument("--output", default=str(RESULTS / "usage.json"))
     parser.add_argument("--profile", metavar="PATH",
                         help="py-spy the server's workers during the rounds while ingesting "
-                             "(raw collapsed stacks, PATH.<round>)")
+                             "(raw collapsed stacks, PATH.<round>; with --ingest-only, "
+                             "during each pass, PATH.<pass>)")
+    parser.add_argument("--ingest-only", action="store_true",
+                        help="no create rounds: --passes passes of ingest alone "
+                             "(--samples each), each reported")
+    parser.add_argument("--passes", type=int, default=3,
+                        help="with --ingest-only: how many passes")
     args = parser.parse_args()
     os.environ["GPUCLOUD_LEASE_TTL"] = str(LEASE_TTL)  # the server's environment
     with postgres_server(durable=True) as database_url:
@@ -574,7 +603,7 @@ def main() -> None:
         bench_api._wait_healthy = _wait_healthy  # a loaded machine: over a minute to start
         with running_server(database_url, args.workers) as (url, pid):
             args.server_pid = pid
-            result = _run(url, database_url, args)
+            result = (_run_ingest_only if args.ingest_only else _run)(url, database_url, args)
     print(json.dumps(result))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
@@ -631,6 +660,114 @@ def _profiled(args: Any, index: int) -> Iterator[None]:
     finally:
         spy.send_signal(signal.SIGINT)
         spy.wait(timeout=60)
+
+
+def _processes() -> dict[int, tuple[int, int, str]]:
+    """Every process: pid → (parent pid, CPU ticks, user + system, so far, cmdline)."""
+    found: dict[int, tuple[int, int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        found[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), command)
+    return found
+
+
+def _cpu_classes(database_url: str) -> dict[int, str]:
+    """This run's processes by what they are: the server (its API workers and main),
+    the ingest workers, PostgreSQL (backends and its own processes), the simulated
+    agents and the rest of the bench (py-spy included)."""
+    processes = _processes()
+    port = database_url.rsplit(":", 1)[1].split("/", 1)[0]
+    classes: dict[int, str] = {}
+
+    def below(root: int, name: str) -> None:
+        classes[root] = name
+        for pid, (parent, _, _) in processes.items():
+            if parent == root and pid not in classes:
+                below(pid, name)
+
+    for pid, (_, _, command) in processes.items():
+        if command.startswith(("postgres ", "/usr/lib/postgresql")) and f"-p {port}" in command:
+            below(pid, "postgresql")
+    below(os.getpid(), "bench")
+    for pid in [p for p, name in classes.items() if name == "bench"]:
+        if "gpucloud.api.usage_worker" in processes[pid][2]:
+            classes[pid] = "ingest_worker"
+            continue
+        up = pid
+        while up in processes and up != os.getpid():
+            if "gpucloud.cli.main server" in processes[up][2]:
+                classes[pid] = "server"
+                break
+            up = processes[up][0]
+    return classes
+
+
+class CpuSeconds:
+    """CPU seconds per class of this run's processes (see _cpu_classes) over a block;
+    the other processes on the machine as ``other``."""
+
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def start(self) -> None:
+        self._began = time.perf_counter()
+        self._before = {pid: ticks for pid, (_, ticks, _) in _processes().items()}
+
+    def stop(self) -> dict[str, float]:
+        after, classes = _processes(), _cpu_classes(self.database_url)
+        spent: Counter[str] = Counter()
+        for pid, (_, ticks, _) in after.items():
+            spent[classes.get(pid, "other")] += ticks - self._before.get(pid, 0)
+        seconds = time.perf_counter() - self._began
+        out = {name: round(value / self.tick, 2) for name, value in sorted(spent.items())}
+        out["wall_seconds"] = round(seconds, 2)
+        out["cpus"] = float(os.cpu_count() or 1)
+        return out
+
+
+def _run_ingest_only(url: str, database_url: str, args: Any) -> dict[str, Any]:
+    """``--passes`` passes of ingest alone, nothing else: the capacity, pass by pass."""
+    nodes, agents = setup(url, args.nodes, args.pods)
+    passes: list[dict[str, Any]] = []
+    loads: list[list[str]] = []
+    try:
+        pods = sum(len(n["pods"]) for n in nodes)
+        batches = max(1, args.samples // (pods * args.per_pod))
+        for index in range(args.passes):
+            time.sleep(SETTLE_SECONDS)
+            loads.append(Path("/proc/loadavg").read_text().split()[:3])
+            cpu = CpuSeconds(database_url)
+            with _profiled(args, index):  # fresh sequence numbers each pass
+                cpu.start()
+                passes.append(agents.call("ingest", batches, args.per_pod, args.clients,
+                                          10_000_000 * index))
+                passes[-1]["cpu_seconds"] = cpu.stop()
+        sent, lease_failures = agents.call("sent"), agents.call("failures")
+    finally:
+        agents.stop()
+    stored = _stored(database_url)
+    rates = [p["samples_per_second"] for p in passes]
+    return {
+        "backend": "postgresql", "mode": "ingest-only", "pods": pods, "nodes": args.nodes,
+        "server_workers": args.workers, "clients": args.clients,
+        "samples_per_second_per_pass": rates,
+        "samples_per_second_median": statistics.median(rates),
+        "samples_per_second_pooled": round(sum(p["samples"] for p in passes)
+                                           / sum(p["seconds"] for p in passes), 1),
+        "passes": passes, "lease_failures": lease_failures,
+        "samples_sent": sent, "samples_stored": stored, "samples_lost": sent - stored,
+        "target_samples_per_second": 20_000,
+        "load_average_before_each_pass": loads,
+        "load_average": Path("/proc/loadavg").read_text().split()[:3],
+    }
 
 
 def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:

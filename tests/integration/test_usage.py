@@ -5,7 +5,7 @@ meter rows from phase transitions (a lost node's run ends at its last renewal)."
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import timedelta, timezone
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -81,6 +81,42 @@ def test_a_resent_batch_is_not_counted_twice(
     assert _stored(app_ctx) == [(pod_id, 1, seq) for seq in range(4)]
     [run] = _runs(app_ctx)
     assert run.samples == 4 and run.gpu_util_avg == 50.0 and run.cpu_seconds == 6.0
+
+
+def test_stored_columns_are_the_samples_figures_on_either_backend(
+    api: TestClient, register_node: Callable[..., dict[str, Any]],
+    schedule: Callable[[], Any], clock: ManualClock, app_ctx: ServiceContext,
+) -> None:
+    """What a row holds, as each backend's insert computes it (PostgreSQL unpacks the
+    batch's JSON in SQL, SQLite gets the values from Python): the mean of the GPU
+    utilisations given, the sum of the memory given, NULL where none was given; times
+    with another offset; the first of a key repeated in one batch wins."""
+    reg, pod_id = _running(api, register_node, schedule)
+    gpu = "GPU-00000000-test"
+    mixed = _sample(pod_id, 0, clock, cpu_seconds=0.1, disk_bytes=2**62)
+    mixed["gpus"] = [{"uuid": gpu, "util_percent": 30.0, "memory_used_bytes": 1 << 30},
+                     {"uuid": "GPU-00000001-test", "util_percent": 60.0}]
+    mixed["time"] = clock.now().astimezone(timezone(timedelta(hours=2))).isoformat()
+    none = _sample(pod_id, 1, clock, net_rx_bytes=None, net_tx_bytes=None)
+    none["gpus"] = []
+    unmeasured = _sample(pod_id, 2, clock)
+    unmeasured["gpus"] = [{"uuid": gpu}]
+    repeated = _sample(pod_id, 0, clock, cpu_seconds=99.0)
+    answer = _post(api, reg, [mixed, none, unmeasured, repeated])
+    assert answer.status_code == 200 and answer.json() == {"accepted": 3, "duplicates": 1}
+    s = UsageSampleModel
+    with app_ctx.db.read() as session:
+        rows = session.query(s.seq, s.time, s.cpu_seconds, s.gpu_util_percent,
+                             s.gpu_memory_bytes, s.gpus, s.net_rx_bytes, s.net_tx_bytes,
+                             s.disk_bytes).order_by(s.seq).all()
+    assert [tuple(row) for row in rows] == [
+        (0, clock.now(), 0.1, 45.0, 1 << 30,
+         [{"uuid": gpu, "util_percent": 30.0, "memory_used_bytes": 1 << 30},
+          {"uuid": "GPU-00000001-test", "util_percent": 60.0, "memory_used_bytes": None}],
+         0, 0, 2**62),
+        (1, clock.now(), 3.0, None, None, [], None, None, None),
+        (2, clock.now(), 4.5, None, None,
+         [{"uuid": gpu, "util_percent": None, "memory_used_bytes": None}], 20, 10, None)]
 
 
 def test_a_stale_token_is_409_and_stores_nothing(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, bindparam, select
+from sqlalchemy import and_, bindparam, insert, select
 from sqlalchemy.orm import Session, aliased
 
 from gpucloud.core.access import NetworkVolumeMount
@@ -48,7 +48,7 @@ from gpucloud.services import (
 )
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.events import record_event, transition
-from gpucloud.services.fencing import check_fencing, check_token
+from gpucloud.services.fencing import check_token
 from gpucloud.services.pods import bump_assignments, complete_restart, requeue
 from gpucloud.services.scheduling import retry_unschedulable
 from gpucloud.services.spec import credentials_for
@@ -311,25 +311,37 @@ def append_log(ctx: ServiceContext, node_id: str, pod_id: str,
     resends from the returned offset (idempotent across agent restarts).
     """
     with ctx.db.transaction() as session:
-        node = session.get_one(NodeModel, node_id)
-        check_fencing(node, chunk.fencing_token)
-        pod = _bound_pod(session, node.id, pod_id)
-        if chunk.attempt is not None and chunk.attempt != pod.attempt:
-            raise Conflict(f"log of attempt {chunk.attempt}; the pod is on {pod.attempt}")
-        end = _log_end(session, pod)
+        connection = session.connection()
+        check_token(connection.execute(_NODE_TOKEN, {"node_id": node_id}).scalar_one(),
+                    chunk.fencing_token)
+        pod = connection.execute(_POD_PLACE, {"pod_id": pod_id}).first()
+        if pod is None:
+            raise NotFound(f"pod {pod_id!r} not found")
+        bound_to, attempt = pod
+        if bound_to != node_id:
+            name = session.get_one(NodeModel, node_id).name
+            raise Conflict(f"pod {pod_id!r} is not bound to node {name!r}")
+        if chunk.attempt is not None and chunk.attempt != attempt:
+            raise Conflict(f"log of attempt {chunk.attempt}; the pod is on {attempt}")
+        last = connection.execute(_LAST_CHUNK, {"pod_id": pod_id, "attempt": attempt}).first()
+        end = 0 if last is None else int(last[0]) + len(last[1].encode())
         if chunk.offset == end and chunk.data:
             # PostgreSQL's text cannot hold NUL: a space keeps every byte offset.
-            session.add(PodLogChunkModel(pod_id=pod.id, attempt=pod.attempt, offset=end,
-                                         data=chunk.data.replace("\x00", " ")))
+            connection.execute(_INSERT_CHUNK, {"pod_id": pod_id, "attempt": attempt,
+                                               "offset": end,
+                                               "data": chunk.data.replace("\x00", " ")})
             end += len(chunk.data.encode())
         return end
 
 
-def _log_end(session: Session, pod: PodModel) -> int:
-    last = session.execute(
-        select(PodLogChunkModel.offset, PodLogChunkModel.data)
-        .where(PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt == pod.attempt)
-        .order_by(PodLogChunkModel.offset.desc())
-        .limit(1)
-    ).first()
-    return 0 if last is None else int(last[0]) + len(last[1].encode())
+#: A log chunk's statements, built once (every chunk a pod ships runs them) and run on
+#: the connection (no ORM rows): the node's token, the pod's node and attempt, the
+#: attempt's last chunk (where the next must start), the insert.
+_NODE_TOKEN = select(NodeModel.fencing_token).where(NodeModel.id == bindparam("node_id"))
+_POD_PLACE = select(PodModel.node_id, PodModel.attempt).where(
+    PodModel.id == bindparam("pod_id"))
+_LAST_CHUNK = (select(PodLogChunkModel.offset, PodLogChunkModel.data)
+               .where(PodLogChunkModel.pod_id == bindparam("pod_id"),
+                      PodLogChunkModel.attempt == bindparam("attempt"))
+               .order_by(PodLogChunkModel.offset.desc()).limit(1))
+_INSERT_CHUNK = insert(PodLogChunkModel)

@@ -25,7 +25,18 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from sqlalchemy import Engine, case, create_engine, func, insert, literal, select, update
+from sqlalchemy import (
+    Engine,
+    Select,
+    bindparam,
+    case,
+    create_engine,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -53,6 +64,21 @@ def uses_database_clock(ctx: ServiceContext) -> bool:
 
 def _now(ctx: ServiceContext, db_clock: bool) -> object:
     return func.now() if db_clock else literal(ctx.clock.now(), UTCDateTime)
+
+
+_LEASES = ControllerLeaseModel.__table__
+
+
+def fence_query(db_clock: bool, share_lock: bool) -> Select[tuple[int]]:
+    """The fence's check, built once per leader: the lease row, if it is still this
+    holder's in this epoch and unexpired (``now`` by the database's clock, else the bound
+    ``now``). ``share_lock`` (PostgreSQL): hold the row share-locked to the end of the
+    transaction, so a takeover waits for the fenced write."""
+    now = func.now() if db_clock else bindparam("now", type_=UTCDateTime)
+    query = select(_LEASES.c.token).where(
+        _LEASES.c.name == bindparam("name"), _LEASES.c.holder == bindparam("holder"),
+        _LEASES.c.token == bindparam("epoch"), _LEASES.c.expires_at > now)
+    return query.with_for_update(read=True) if share_lock else query
 
 
 def try_acquire(ctx: ServiceContext, engine: Engine, name: str, holder: str,
@@ -143,6 +169,10 @@ class Leader:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: The fence's statement, one object for every check: compiled once (its cache
+        #: key too), executed on the transaction's connection (no ORM step).
+        self._db_clock = uses_database_clock(ctx)
+        self._fence = fence_query(self._db_clock, share_lock=not ctx.db.is_sqlite)
 
     @property
     def epoch(self) -> int | None:
@@ -185,12 +215,10 @@ class Leader:
         epoch = self._epoch
         if epoch is None:
             raise LeaderLostError(f"not the holder of lease {self.name}")
-        query = select(LEASE.token).where(
-            LEASE.name == self.name, LEASE.holder == self.holder, LEASE.token == epoch,
-            LEASE.expires_at > _now(self.ctx, uses_database_clock(self.ctx)))
-        if not self.ctx.db.is_sqlite:
-            query = query.with_for_update(read=True)
-        if session.scalar(query) is None:
+        params: dict[str, object] = {"name": self.name, "holder": self.holder, "epoch": epoch}
+        if not self._db_clock:
+            params["now"] = self.ctx.clock.now()
+        if session.connection().execute(self._fence, params).first() is None:
             with self._lock:
                 if self._epoch == epoch:
                     self._epoch = self._renew_at = self._valid_until = None

@@ -9,6 +9,7 @@ A stopped pod gets its grace period (SIGTERM, then SIGKILL) from its agent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select, update
@@ -25,10 +26,30 @@ from gpucloud.services.pods import bump_assignments
 EXCEEDED = "MaxDurationExceeded"
 
 
+#: The candidates, built once (every controller pass asks): running pods and jobs that
+#: declare a max duration.
+_RUNNING_PODS = (
+    select(PodModel.id, PodModel.version, PodModel.started_at,
+           PodModel.max_duration_seconds, PodModel.node_id)
+    .where(PodModel.phase == PodPhase.RUNNING.value, PodModel.job_id.is_(None),
+           PodModel.max_duration_seconds.is_not(None),
+           PodModel.desired_state == "running", PodModel.deleted_at.is_(None)))
+_RUNNING_JOBS = select(JobModel.id).where(JobModel.gang_state == gangs.RUNNING,
+                                          JobModel.max_duration_seconds.is_not(None),
+                                          JobModel.desired_state == "running")
+
+
 def enforce(ctx: ServiceContext) -> list[str]:
-    """Stop every pod and job that has run past its max duration; returns their ids."""
+    """Stop every pod and job that has run past its max duration; returns their ids.
+
+    The candidates are read in one read transaction (no write lock, no fence: most passes
+    find none); each stop is its own guarded, fenced write."""
     now = ctx.clock.now()
-    return [*_stop_pods(ctx, now), *_stop_jobs(ctx, now)]
+    with ctx.db.read() as session:
+        connection = session.connection()
+        pods = [row.tuple() for row in connection.execute(_RUNNING_PODS)]
+        jobs = [job_id for (job_id,) in connection.execute(_RUNNING_JOBS)]
+    return [*_stop_pods(ctx, now, pods), *_stop_jobs(ctx, now, jobs)]
 
 
 def _overdue(started: datetime | None, max_duration: float | None, now: datetime) -> bool:
@@ -42,15 +63,11 @@ def _message(max_duration: float) -> str:
     return f"ran longer than its max duration ({max_duration:g}s)"
 
 
-def _stop_pods(ctx: ServiceContext, now: datetime) -> list[str]:
-    with ctx.db.transaction() as session:
-        rows = session.execute(
-            select(PodModel.id, PodModel.version, PodModel.started_at,
-                   PodModel.max_duration_seconds, PodModel.node_id)
-            .where(PodModel.phase == PodPhase.RUNNING.value, PodModel.job_id.is_(None),
-                   PodModel.max_duration_seconds.is_not(None),
-                   PodModel.desired_state == "running", PodModel.deleted_at.is_(None))
-        ).all()
+#: A candidate pod: id, version, started at, max duration, node id.
+_Candidate = tuple[str, int, datetime | None, float | None, str | None]
+
+
+def _stop_pods(ctx: ServiceContext, now: datetime, rows: Sequence[_Candidate]) -> list[str]:
     stopped = []
     for pod_id, version, started, max_duration, node_id in rows:
         if max_duration is not None and _overdue(started, max_duration, now):
@@ -73,13 +90,7 @@ def _stop_pod(session: Session, pod_id: str, version: int, why: str, now: dateti
     return bool(changed)
 
 
-def _stop_jobs(ctx: ServiceContext, now: datetime) -> list[str]:
-    with ctx.db.transaction() as session:
-        ids = session.scalars(
-            select(JobModel.id).where(JobModel.gang_state == gangs.RUNNING,
-                                      JobModel.max_duration_seconds.is_not(None),
-                                      JobModel.desired_state == "running")
-        ).all()
+def _stop_jobs(ctx: ServiceContext, now: datetime, ids: list[str]) -> list[str]:
     stopped = []
     for job_id in ids:
         with ctx.db.transaction() as session:

@@ -7,7 +7,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
-from sqlalchemy import ScalarSelect, func, insert, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -57,6 +57,8 @@ from gpucloud.services.transparent import check_transparent
 #: victims of its preemption to stop.
 _WAITING_REASONS = {"OverQuota", "Preempting"}
 _INSERT_POD = insert(Base.metadata.tables[PodModel.__tablename__])
+_PODS = Base.metadata.tables[PodModel.__tablename__]
+_CHUNKS = Base.metadata.tables[PodLogChunkModel.__tablename__]
 
 
 def pod_out(pod: PodModel, project_name: str, node_name: str | None) -> PodOut:
@@ -447,18 +449,17 @@ def read_logs_of(ctx: ServiceContext, caller: Principal, ref: str, offset: int =
     chunks from the one holding ``offset`` on, not the whole log again at each read.
     """
     with ctx.db.read() as session:
-        pod = _find(session, caller, ref)
-        first = pod.attempt if attempt is None else min(attempt, pod.attempt)
-        query = select(PodLogChunkModel.attempt, PodLogChunkModel.offset,
-                       PodLogChunkModel.data).where(
-            PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt >= first,
-            PodLogChunkModel.attempt <= pod.attempt)
-        if first == pod.attempt and tail_bytes is None and offset > 0:
-            query = query.where(PodLogChunkModel.offset >= _chunk_holding(pod, offset))
-        rows = session.execute(
-            query.order_by(PodLogChunkModel.attempt, PodLogChunkModel.offset)).all()
-        finished = PodPhase(pod.phase) in TERMINAL_PHASES
-        pod_id, current_attempt, log_tail = pod.id, pod.attempt, pod.log_tail
+        connection = session.connection()
+        pod = connection.execute(_LOG_POD, {"project": caller.project_id, "ref": ref}).first()
+        if pod is None:
+            raise NotFound(f"pod {ref!r} not found")
+        pod_id, current_attempt, phase, log_tail = pod
+        first = current_attempt if attempt is None else min(attempt, current_attempt)
+        following = first == current_attempt and tail_bytes is None and offset > 0
+        rows = connection.execute(_LOG_CHUNKS_FROM if following else _LOG_CHUNKS, {
+            "pod": pod_id, "first": first, "current": current_attempt, "offset": offset,
+        }).all()
+    finished = PodPhase(phase) in TERMINAL_PHASES
     output: dict[int, bytes] = defaultdict(bytes)
     base: int | None = None  # where the current attempt's first chunk read starts
     for number, at, data in rows:
@@ -478,8 +479,21 @@ def read_logs_of(ctx: ServiceContext, caller: Principal, ref: str, offset: int =
                               attempt=current_attempt)
 
 
-def _chunk_holding(pod: PodModel, offset: int) -> ScalarSelect[int]:
-    """The start of the current attempt's chunk that holds byte ``offset`` (0 if none)."""
-    return select(func.coalesce(func.max(PodLogChunkModel.offset), 0)).where(
-        PodLogChunkModel.pod_id == pod.id, PodLogChunkModel.attempt == pod.attempt,
-        PodLogChunkModel.offset <= offset).scalar_subquery()
+#: A log read's statements, built once (a follower reads at every chunk its pod ships):
+#: the live pod of the caller's project by id or name (what ``_find`` finds, only the
+#: columns a read needs), then its chunks of attempts ``first`` to ``current``…
+_LOG_POD = (select(_PODS.c.id, _PODS.c.attempt, _PODS.c.phase, _PODS.c.log_tail)
+            .where(_PODS.c.project_id == bindparam("project"), _PODS.c.deleted_at.is_(None),
+                   (_PODS.c.id == bindparam("ref")) | (_PODS.c.name == bindparam("ref")))
+            .limit(1))
+_LOG_CHUNKS = (select(_CHUNKS.c.attempt, _CHUNKS.c.offset, _CHUNKS.c.data)
+               .where(_CHUNKS.c.pod_id == bindparam("pod"),
+                      _CHUNKS.c.attempt >= bindparam("first"),
+                      _CHUNKS.c.attempt <= bindparam("current"))
+               .order_by(_CHUNKS.c.attempt, _CHUNKS.c.offset))
+#: … or, for a follower within the current attempt, from the chunk holding ``offset`` on
+#: (the start of the last chunk at or before it; 0 if none).
+_LOG_CHUNKS_FROM = _LOG_CHUNKS.where(_CHUNKS.c.offset >= select(
+    func.coalesce(func.max(_CHUNKS.c.offset), 0)).where(
+    _CHUNKS.c.pod_id == bindparam("pod"), _CHUNKS.c.attempt == bindparam("current"),
+    _CHUNKS.c.offset <= bindparam("offset")).scalar_subquery())

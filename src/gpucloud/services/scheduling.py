@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from gpucloud.core.capabilities import CHECKPOINT_TRANSPARENT
 from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.phases import ACTIVE_PHASE_VALUES, NodeStatus, PodPhase
+from gpucloud.core.trace import mark
 from gpucloud.core.tunables import number_from_env
 from gpucloud.db.models import Base, JobModel, NodeModel, PodModel
 from gpucloud.db.session import on_commit, rows_changed
@@ -66,6 +67,11 @@ UNSCHEDULABLE_RETRY_SECONDS = 30.0
 #: (bench/scheduler_pass.py, 10,000 nodes on PostgreSQL, one busy run: 905 pods per CPU
 #: second at 1,024 a pass, 2,397 at 4,096; 318 at 1,024 with a full snapshot each pass).
 PASS_LIMIT = 4096
+#: The pass's statements are built once on the Core tables and run on the transaction's
+#: connection: a one-pod pass (a warm start) spent most of its time building statements,
+#: their cache keys and the ORM's execution steps, not in the database.
+_PODS = Base.metadata.tables[PodModel.__tablename__]
+_NODES = Base.metadata.tables[NodeModel.__tablename__]
 
 
 def notify_nodes(node_ids: list[str]) -> None:
@@ -148,38 +154,37 @@ class LeasedPod:
 
 #: The node a pending pod was just preempted from (``lease_pending`` drops it once
 #: ``avoid_until`` has passed on the service clock).
-_AVOID_NODE = (select(NodeModel.name).where(NodeModel.id == PodModel.avoid_node_id)
+_AVOID_NODE = (select(_NODES.c.name).where(_NODES.c.id == _PODS.c.avoid_node_id)
                .scalar_subquery().label("avoid_node"))
-_LEASED_COLUMNS = (PodModel.id, PodModel.version, PodModel.gpus, PodModel.gpu_type,
-                   PodModel.cpu_milli, PodModel.memory_bytes, PodModel.unschedulable,
-                   PodModel.project_id, PodModel.priority, PodModel.nominated_node_id,
-                   PodModel.nominated_gpu_milli, PodModel.nominated_until,
-                   PodModel.max_duration_seconds, PodModel.volume_bytes,
-                   PodModel.checkpoint_mode,
-                   select(NodeModel.name).where(NodeModel.id == PodModel.volume_node_id)
+_LEASED_COLUMNS = (_PODS.c.id, _PODS.c.version, _PODS.c.gpus, _PODS.c.gpu_type,
+                   _PODS.c.cpu_milli, _PODS.c.memory_bytes, _PODS.c.unschedulable,
+                   _PODS.c.project_id, _PODS.c.priority, _PODS.c.nominated_node_id,
+                   _PODS.c.nominated_gpu_milli, _PODS.c.nominated_until,
+                   _PODS.c.max_duration_seconds, _PODS.c.volume_bytes,
+                   _PODS.c.checkpoint_mode,
+                   select(_NODES.c.name).where(_NODES.c.id == _PODS.c.volume_node_id)
                    .scalar_subquery().label("volume_node"), _AVOID_NODE,
-                   PodModel.avoid_until, PodModel.mig_profile, PodModel.gpu_memory_bytes,
-                   PodModel.mig_slot)
-_LOCK_FREE = or_(PodModel.lock_expires_at.is_(None),
-                 PodModel.lock_expires_at <= bindparam("now"))
+                   _PODS.c.avoid_until, _PODS.c.mig_profile, _PODS.c.gpu_memory_bytes,
+                   _PODS.c.mig_slot)
+_LOCK_FREE = or_(_PODS.c.lock_expires_at.is_(None),
+                 _PODS.c.lock_expires_at <= bindparam("now"))
 #: The lease, one statement built once: lock up to ``limit`` schedulable pending pods
 #: (highest priority first, then oldest) and return what the pass needs of them. Its
 #: rows come back in no particular order: ``lease_pending`` sorts them on
 #: (priority, created_at, id).
 _LEASE = (
-    update(PodModel)
-    .where(PodModel.id.in_(
-        select(PodModel.id)
-        .where(PodModel.phase == PodPhase.PENDING.value, PodModel.deleted_at.is_(None),
-               PodModel.desired_state == "running", PodModel.job_id.is_(None),
-               or_(PodModel.not_before.is_(None), PodModel.not_before <= bindparam("now")),
+    update(_PODS)
+    .where(_PODS.c.id.in_(
+        select(_PODS.c.id)
+        .where(_PODS.c.phase == PodPhase.PENDING.value, _PODS.c.deleted_at.is_(None),
+               _PODS.c.desired_state == "running", _PODS.c.job_id.is_(None),
+               or_(_PODS.c.not_before.is_(None), _PODS.c.not_before <= bindparam("now")),
                _LOCK_FREE)
-        .order_by(PodModel.priority.desc(), PodModel.created_at, PodModel.id)
+        .order_by(_PODS.c.priority.desc(), _PODS.c.created_at, _PODS.c.id)
         .limit(bindparam("limit"))
         .scalar_subquery()), _LOCK_FREE)
     .values(lock_token=bindparam("token"), lock_expires_at=bindparam("until"))
-    .returning(*_LEASED_COLUMNS, PodModel.created_at)
-    .execution_options(synchronize_session=False))
+    .returning(*_LEASED_COLUMNS, _PODS.c.created_at))
 
 
 def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]]:
@@ -189,7 +194,7 @@ def lease_pending(ctx: ServiceContext, limit: int) -> tuple[str, list[LeasedPod]
     now = ctx.clock.now()
     token = new_id()
     with ctx.db.transaction() as session:
-        rows = sorted(session.execute(_LEASE, {
+        rows = sorted(session.connection().execute(_LEASE, {
             "now": now, "limit": limit, "token": token,
             "until": now + timedelta(seconds=LOCK_SECONDS)}),
             key=lambda row: (-row.priority, row.created_at, row.id))
@@ -222,14 +227,14 @@ def pod_request(pod: LeasedPod) -> PodRequest:
 #: one statement: a snapshot's usage, MIG instances and share memory and the quota
 #: ledger all come from these rows (one read, not seven). Built once.
 _HOLDINGS = select(
-    PodModel.phase, PodModel.project_id, PodModel.node_id, PodModel.nominated_node_id,
-    gpu_milli.as_text(PodModel.gpu_milli), gpu_milli.as_text(PodModel.nominated_gpu_milli),
-    PodModel.cpu_milli, PodModel.memory_bytes, PodModel.mig_profile, PodModel.mig_slot,
-    PodModel.gpu_memory_bytes,
+    _PODS.c.phase, _PODS.c.project_id, _PODS.c.node_id, _PODS.c.nominated_node_id,
+    gpu_milli.as_text(_PODS.c.gpu_milli), gpu_milli.as_text(_PODS.c.nominated_gpu_milli),
+    _PODS.c.cpu_milli, _PODS.c.memory_bytes, _PODS.c.mig_profile, _PODS.c.mig_slot,
+    _PODS.c.gpu_memory_bytes,
 ).where(or_(
-    and_(PodModel.phase.in_(ACTIVE_PHASE_VALUES), PodModel.node_id.is_not(None)),
-    and_(PodModel.phase == PodPhase.PENDING.value, PodModel.nominated_node_id.is_not(None),
-         PodModel.nominated_until > bindparam("now"))))
+    and_(_PODS.c.phase.in_(ACTIVE_PHASE_VALUES), _PODS.c.node_id.is_not(None)),
+    and_(_PODS.c.phase == PodPhase.PENDING.value, _PODS.c.nominated_node_id.is_not(None),
+         _PODS.c.nominated_until > bindparam("now"))))
 
 
 @dataclass
@@ -254,7 +259,7 @@ def _held(session: Session, now: datetime) -> _Held:
     shares: list[tuple[str | None, list[str], int | None]] = []
     ledger: list[quotas.Holding] = []
     for (phase, project, bound_to, nominated, milli_text, nominated_text, cpu_milli,
-         memory_bytes, profile, slot, share_memory) in session.execute(
+         memory_bytes, profile, slot, share_memory) in session.connection().execute(
             _HOLDINGS, {"now": now}):
         reserved = phase == PodPhase.PENDING.value
         node_id = nominated if reserved else bound_to
@@ -300,10 +305,11 @@ def node_state(node: NodeModel, gpu_used: dict[int, int], cpu_used: int,
 #: What a snapshot reads of a node row, the JSON columns as their text: a row whose key
 #: is unchanged need not be loaded (nor its JSON decoded) again (``SnapshotCache``). Every
 #: attribute of ``Snapshot.by_name`` that a caller reads must be in it.
-_NODE_KEY = (NodeModel.id, NodeModel.version, NodeModel.name, NodeModel.status,
-             NodeModel.cordoned, NodeModel.cpu_milli, NodeModel.memory_bytes,
-             NodeModel.mig_policy, cast(NodeModel.gpus, Text), cast(NodeModel.labels, Text),
-             cast(NodeModel.capabilities, Text))
+_NODE_KEY = (_NODES.c.id, _NODES.c.version, _NODES.c.name, _NODES.c.status,
+             _NODES.c.cordoned, _NODES.c.cpu_milli, _NODES.c.memory_bytes,
+             _NODES.c.mig_policy, cast(_NODES.c.gpus, Text), cast(_NODES.c.labels, Text),
+             cast(_NODES.c.capabilities, Text))
+_NODE_KEYS = select(*_NODE_KEY).order_by(_NODES.c.name)
 #: Ids per ``IN`` list when reloading changed rows (well under SQLite's parameter limit).
 _RELOAD_CHUNK = 1000
 
@@ -327,8 +333,7 @@ class SnapshotCache:
 
     def nodes(self, session: Session) -> list[NodeModel]:
         """Every node row by name, loading only those new or changed since last time."""
-        keys = [tuple(row) for row in
-                session.execute(select(*_NODE_KEY).order_by(NodeModel.name)).all()]
+        keys = [tuple(row) for row in session.connection().execute(_NODE_KEYS)]
         with self._lock:
             known = dict(self._rows)
         stale = [key[0] for key in keys if known.get(str(key[0]), ((),))[0] != key]
@@ -448,7 +453,9 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = PASS_LIMIT,
     result = PassResult(considered=len(leased))
     if not leased:
         return result
+    mark("scheduler.pass.leased", pods=len(leased))
     snap, ledger, names, held = _read_cluster(ctx, cache)
+    mark("scheduler.pass.read")
     node_versions = {name: node.version for name, node in snap.by_name.items()}
     binds: list[tuple[LeasedPod, Decision]] = []
     pods = [p for p in leased if not _bind_reserved(ctx, p, token, snap, binds, result)]
@@ -613,9 +620,6 @@ def quota_model(ledger: Ledger, project: str, gpu_type: str | None, milli: int,
         ledger.would_borrow(project, m, milli), not ledger.admits(project, m, milli), m))
 
 
-#: Bind statements, compiled once: Core tables, one round trip for many rows.
-_PODS = Base.metadata.tables[PodModel.__tablename__]
-_NODES = Base.metadata.tables[NodeModel.__tablename__]
 #: Pods bound per transaction, each chunk committed before the next is written: a chunk
 #: holds its nodes' rows (their claim) until its commit, and a pod report or a full-path
 #: renewal of those nodes waits that long. 1,000 held them about 1 s (bench/lease_vs_bind.py:
@@ -685,6 +689,7 @@ def _bind_chunk(ctx: ServiceContext, token: str, binds: list[tuple[LeasedPod, De
             connection.execute(update(_PODS).where(
                 _PODS.c.id.in_(conflicts), _PODS.c.lock_token == token,
             ).values(lock_token=None, lock_expires_at=None))
+    mark("scheduler.bind.committed", pods=len(bound))
     for name in {_placed_on(d) for _, d in binds if nodes[_placed_on(d)].id in claimed}:
         node_versions[name] += 1
     if claimed:  # committed (a rollback raised above): their agents may look now
@@ -701,6 +706,10 @@ def _claim_nodes(connection: Connection, versions: dict[str, int]) -> set[str]:
     """Guarded bump of each node on its version (see ``claim_node``): the ids claimed."""
     if not versions:
         return set()
+    if len(versions) == 1:  # a warm start's one node: one row, no lock order to keep
+        ((node_id, version),) = versions.items()
+        return {claimed for (claimed,) in connection.execute(
+            _CLAIM_ONE, {"c_id": node_id, "c_version": version})}
     pairs, params = row_sources.id_version_in(connection, _NODES.c.id, _NODES.c.version,
                                               list(versions.items()))
     guard = (pairs, _NODES.c.status == NodeStatus.READY.value, _NODES.c.cordoned.is_(False))
@@ -714,6 +723,16 @@ def _claim_nodes(connection: Connection, versions: dict[str, int]) -> set[str]:
                 assignments_revision=_NODES.c.assignments_revision + 1)
         .returning(_NODES.c.id), params)
     return {node_id for (node_id,) in rows}
+
+
+#: ``_claim_nodes`` of one node, built once.
+_CLAIM_ONE = (
+    update(_NODES)
+    .where(_NODES.c.id == bindparam("c_id"), _NODES.c.version == bindparam("c_version"),
+           _NODES.c.status == NodeStatus.READY.value, _NODES.c.cordoned.is_(False))
+    .values(version=_NODES.c.version + 1,
+            assignments_revision=_NODES.c.assignments_revision + 1)
+    .returning(_NODES.c.id))
 
 
 def _take_pods(connection: Connection, token: str, pods: list[LeasedPod]) -> set[str]:

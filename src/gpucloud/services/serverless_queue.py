@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, exists, func, or_, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
@@ -485,6 +485,20 @@ def worker_unhealthy(ctx: ServiceContext, worker_pod_id: str) -> int:
         return _rowcount(session.execute(update(_Q).where(
             _Q.worker_pod_id == worker_pod_id,
             _Q.status == RequestStatus.IN_PROGRESS.value).values(lease_expires_at=now)))
+
+
+#: Whether the autoscaler's pass has anything to look at: a live endpoint (to size) or a
+#: request row (to expire, time out, retry or drop, its webhook to deliver). Built once:
+#: every controller pass asks, and most clouds serve no endpoint.
+_ANY_WORK = select(or_(exists(select(EndpointModel.id).where(EndpointModel.deleted_at.is_(None))),
+                       exists(select(_Q.id))))
+
+
+def has_work(ctx: ServiceContext) -> bool:
+    """Whether ``expire``, ``autoscale`` or ``deliver_webhooks`` may have something to do
+    (one read; without it they cost a fenced write transaction and five queries)."""
+    with ctx.db.read() as session:
+        return bool(session.connection().execute(_ANY_WORK).scalar())
 
 
 def queue_stats(ctx: ServiceContext) -> dict[str, QueueStats]:
