@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import fcntl
+import functools
 import json
 import os
 import select
@@ -464,7 +465,13 @@ def _detach(paths: ContainerPaths) -> None:
     os.close(log)
 
 
+@functools.cache
 def _parser() -> argparse.ArgumentParser:
+    """Built once a process. The zygote builds it and parses a sample before it forks
+    (``serve``), so that a spare or forked supervisor inherits it built, with argparse's
+    gettext look-ups and regular expressions done: in a fresh fork, building and parsing
+    took 2.3–3 ms of a warm start's hand-over to the supervisor, parsing with it warm
+    0.8 ms (s42)."""
     parser = argparse.ArgumentParser(prog="gpucloud-supervisor")
     parser.add_argument("--runc", default="/usr/bin/runc")
     parser.add_argument("--root", required=True, type=Path)
@@ -505,6 +512,7 @@ def serve(sock_fd: int) -> int:
     """
     for ignored in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(ignored, signal.SIG_IGN)
+    _parser().parse_args(["--root", "/", "/"])  # built and warm in every fork: ``_parser``
     sock = socket.socket(fileno=sock_fd)
     poller = select.poll()
     poller.register(sock, select.POLLIN)

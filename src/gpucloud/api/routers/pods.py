@@ -99,6 +99,7 @@ async def pod_logs(
             _, out = await run_in_threadpool(read)
             left = deadline - time.monotonic()
             if _news(out, attempt) or left <= 0:
+                mark("server.logs.read", pod=pod_id)
                 return out
             recheck = ctx.settings.log_wait_recheck_seconds
             if told:
