@@ -32,7 +32,7 @@ import mfusepy
 
 from gpucloud.images.errors import ImageError
 from gpucloud.images.lazy.layer import LazyLayer
-from gpucloud.images.lazy.toc import HIDDEN_ROOT_NAMES, Toc, TocEntry, clean_name
+from gpucloud.images.lazy.toc import HIDDEN_ROOT_NAMES, Toc, TocEntry, clean_name, gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,13 @@ class Node:
 
 
 def build_tree(toc: Toc) -> dict[str, Node]:
-    """``path -> Node`` for every visible path ('' is the root), parents made as needed."""
+    """``path -> Node`` for every visible path ('' is the root), parents made as needed
+    (without cyclic GC passes over the growing tree: ``toc.gc_paused``)."""
+    with gc_paused():
+        return _build_tree(toc)
+
+
+def _build_tree(toc: Toc) -> dict[str, Node]:
     nodes: dict[str, Node] = {"": Node(1, "dir", 0o755)}
     links: list[TocEntry] = []
     for ent in toc.files():

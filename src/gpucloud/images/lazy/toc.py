@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import gc
 import json
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,9 +192,47 @@ def check_name(name: str, what: str = "name") -> None:
         raise InvalidToc(f"TOC entry {what} {name!r} contains '..'")
 
 
+class _GcPause:
+    """Who is inside ``gc_paused`` now, and whether collection was on before the first."""
+
+    lock = threading.Lock()
+    pausers = 0
+    was_enabled = True
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block (reference counting still frees).
+
+    Parsing a large TOC and building its tree allocate ~100k long-lived objects (a Python
+    package tree: 19,500 entries, a 7.6 MB TOC) and nothing cyclic; every allocation
+    threshold crossed started a collection that walked the growing heap again: about half
+    of ``parse_toc``'s CPU time (0.83-1.12 s → 0.38-0.59 s on the bench's TOC), on the
+    path of a pod's first mount. Nestable and shared between threads (the daemon mounts an
+    image's layers at once): collection resumes when the last pauser leaves, and only if it
+    was enabled before the first came."""
+    with _GcPause.lock:
+        _GcPause.pausers += 1
+        if _GcPause.pausers == 1:
+            _GcPause.was_enabled = gc.isenabled()
+            gc.disable()
+    try:
+        yield
+    finally:
+        with _GcPause.lock:
+            _GcPause.pausers -= 1
+            if _GcPause.pausers == 0 and _GcPause.was_enabled:
+                gc.enable()
+
+
 def parse_toc(data: bytes, blob_size: int, toc_offset: int | None = None) -> Toc:
     """Parse and validate TOC JSON of a blob of ``blob_size`` bytes whose TOC member starts at
     ``toc_offset`` (default: ``blob_size``, which only loosens the last chunks' extent)."""
+    with gc_paused():
+        return _parse_toc(data, blob_size, toc_offset)
+
+
+def _parse_toc(data: bytes, blob_size: int, toc_offset: int | None) -> Toc:
     if len(data) > MAX_TOC_SIZE:
         raise InvalidToc(f"TOC is {len(data)} bytes, more than the {MAX_TOC_SIZE} allowed")
     limit = blob_size if toc_offset is None else toc_offset
