@@ -79,6 +79,8 @@ LEASE_TTL = 60
 LEASE_EVERY = 5.0
 #: The simulated agents' process runs at this nice level (see Agents).
 AGENTS_NICE = 19
+#: The warm-up batches' first sequence number: above every pass's and round's.
+WARMUP_SEQ = 10**12
 #: Seconds between rounds: ingest's last batches and the busy stretch are over.
 SETTLE_SECONDS = 1.0
 #: pg_stat_activity is sampled this often during the create rounds (see Waits).
@@ -282,16 +284,17 @@ def _shares(seen: Counter[tuple[str, str]], ticks: int) -> dict[str, Any]:
 
 
 def _feed(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int, clients: int,
-          pre_encode: bool = False
+          bodies: dict[int, list[bytes]] | None = None
           ) -> tuple[threading.Thread, threading.Event, dict[str, Any]]:
     """Ingest on a thread at ``nice`` AGENTS_NICE (Linux: per thread) until its event is
-    set or ``batches`` per node are sent; the result fills in."""
+    set or ``batches`` per node are sent (``bodies``: encoded beforehand, see ``encode``);
+    the result fills in."""
     done, result = threading.Event(), {}
 
     def run() -> None:
         os.setpriority(os.PRIO_PROCESS, 0, AGENTS_NICE)  # this thread only
         result.update(asyncio.run(ingest(url, nodes, batches, per_pod, clients, until=done,
-                                         pre_encode=pre_encode)))
+                                         bodies=bodies)))
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -301,22 +304,26 @@ def _feed(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int, cli
 def _agents_main(pipe: Connection, url: str, registered: list[dict[str, Any]]) -> None:
     """The agents' process: renew the leases (at normal priority: a lapsed lease makes
     its node Lost), send batches (at ``nice`` AGENTS_NICE) when told (commands on
-    ``pipe``: pods, ingest, feed, sent, stop, failures, quit)."""
+    ``pipe``: pods, encode, ingest, feed, sent, stop, failures, quit)."""
     leases = Leases(url, registered)
     leases.start()
     nodes: list[dict[str, Any]] = []
+    encoded: tuple[dict[int, list[bytes]], float] = ({}, 0.0)
     feeding: tuple[threading.Thread, threading.Event, dict[str, Any]] | None = None
     while True:
         command, args = pipe.recv()
         answer: Any = None
         if command == "pods":
             nodes = args[0]
-        elif command == "ingest":  # batches, per_pod, clients, seq_offset
+        elif command == "encode":  # batches, per_pod, seq_offset: the next ingest's
             for node in nodes:
-                node["seq_offset"] = args[3]
-            thread, _, answer = _feed(url, nodes, args[0], args[1], args[2],
-                                      pre_encode=True)
+                node["seq_offset"] = args[2]
+            encoded = encode(nodes, args[0], args[1])
+        elif command == "ingest":  # batches, per_pod, clients: the bodies encoded last
+            thread, _, answer = _feed(url, nodes, args[0], args[1], args[2], encoded[0])
             thread.join()
+            answer.update(pre_encoded=True, encode_seconds=round(encoded[1], 3))
+            encoded = ({}, 0.0)
         elif command == "feed":  # until "stop": per_pod, clients, seq_offset
             for node in nodes:
                 node["seq_offset"] = args[2]
@@ -419,29 +426,41 @@ async def _node_loop(port: int, node: dict[str, Any], batches: int, per_pod: int
         await client.close()
 
 
+def _sample_start() -> datetime:
+    """The first sample's time: an hour ago, so no batch is ahead of the server's clock."""
+    return datetime.now(UTC) - timedelta(hours=1)
+
+
+def encode(nodes: list[dict[str, Any]], batches: int, per_pod: int
+           ) -> tuple[dict[int, list[bytes]], float]:
+    """Every node's ``batches`` bodies, and the seconds that took. A bounded pass (ingest
+    alone) sends batches encoded beforehand, in a command of its own, so that neither
+    its clock nor its CPU window (``CpuSeconds``) holds the encoding: the agents stand
+    for other machines, and what a pass measures is the server (an open-ended feed
+    encodes as it goes, at nice 19)."""
+    began, start = time.perf_counter(), _sample_start()
+    bodies = {id(n): [_batch(n, index * per_pod, per_pod, start) for index in range(batches)]
+              for n in nodes if n["pods"]}
+    return bodies, time.perf_counter() - began
+
+
 async def ingest(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: int,
                  clients: int, until: threading.Event | None = None,
-                 pre_encode: bool = False) -> dict[str, Any]:
+                 bodies: dict[int, list[bytes]] | None = None) -> dict[str, Any]:
     """``clients`` node connections at a time, each posting ``batches`` batches (or until
-    ``until`` is set, then stopping after the batch in hand). ``pre_encode``: every batch
-    encoded before the clock starts (ingest alone: see below)."""
+    ``until`` is set, then stopping after the batch in hand). ``bodies``: every node's
+    batches encoded before (``encode``), else each is encoded as it goes."""
     port = int(url.rsplit(":", 1)[1])
-    start = datetime.now(UTC) - timedelta(hours=1)
+    start = _sample_start()
     tally = Tally()
     gate = asyncio.Semaphore(clients)
     before = sum(n.get("sent", 0) for n in nodes)
-    # A bounded pass (ingest alone) has its batches encoded before the clock starts: the
-    # agents stand for other machines, so their JSON encoding is no part of what the
-    # server ingests per second (an open-ended feed encodes as it goes, at nice 19).
-    encoding = time.perf_counter()
-    bodies = ({id(n): [_batch(n, index * per_pod, per_pod, start) for index in range(batches)]
-               for n in nodes if n["pods"]} if pre_encode else {})
-    encode_seconds = time.perf_counter() - encoding
+    prepared = bodies or {}
 
     async def one(node: dict[str, Any]) -> None:
         async with gate:
             await _node_loop(port, node, batches, per_pod, start, tally, until,
-                             bodies.get(id(node)))
+                             prepared.get(id(node)))
 
     began = time.perf_counter()
     await asyncio.gather(*(one(n) for n in nodes if n["pods"]))
@@ -452,7 +471,7 @@ async def ingest(url: str, nodes: list[dict[str, Any]], batches: int, per_pod: i
             "samples_per_second": round(sent / elapsed, 1), "shed_503": tally.shed,
             "batches_retried": tally.retried_batches, "errors": dict(tally.errors),
             "batch_samples": per_pod * round(pods / max(1, len(nodes))),
-            "pre_encoded": pre_encode, "encode_seconds": round(encode_seconds, 3)}
+            "pre_encoded": False}
 
 
 async def _creates(url: str, prefix: str, count: int, clients: int) -> dict[str, Any]:
@@ -596,10 +615,13 @@ def main() -> None:
                              "(--samples each), each reported")
     parser.add_argument("--passes", type=int, default=3,
                         help="with --ingest-only: how many passes")
+    parser.add_argument("--ids-collation", choices=("C", "default"), default="C",
+                        help="usage_samples' node_id and pod_id: COLLATE \"C\" (migration "
+                             "0018) or, to compare, the database's default as before it")
     args = parser.parse_args()
     os.environ["GPUCLOUD_LEASE_TTL"] = str(LEASE_TTL)  # the server's environment
     with postgres_server(durable=True) as database_url:
-        _migrate(database_url)
+        _migrate(database_url, args.ids_collation)
         bench_api._wait_healthy = _wait_healthy  # a loaded machine: over a minute to start
         with running_server(database_url, args.workers) as (url, pid):
             args.server_pid = pid
@@ -623,12 +645,21 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
     raise RuntimeError("server did not become healthy in 300 s")
 
 
-def _migrate(database_url: str) -> None:
+#: ``--ids-collation default``: migration 0018 undone by hand after migrating (the
+#: samples' ids in the database's collation again), for an A/B in one run of the lock.
+_IDS_DEFAULT_COLLATION = ("ALTER TABLE usage_samples ALTER COLUMN node_id TYPE varchar(32), "
+                          "ALTER COLUMN pod_id TYPE varchar(32)")
+
+
+def _migrate(database_url: str, ids_collation: str = "C") -> None:
     """Migrate once before the workers start (two workers migrating an empty database
     at once race on CREATE TABLE alembic_version)."""
     engine = make_engine(database_url)
     try:
         upgrade(engine)
+        if ids_collation == "default":
+            with engine.begin() as connection:
+                connection.execute(text(_IDS_DEFAULT_COLLATION))
     finally:
         engine.dispose()
 
@@ -733,6 +764,15 @@ class CpuSeconds:
         return out
 
 
+def _warm_up(agents: Agents, args: Any) -> dict[str, Any]:
+    """One batch per node before the passes (sequence numbers of their own): each API
+    worker starts its ingest worker on its first batch (imports: seconds of CPU), which
+    would otherwise weigh on the first pass alone."""
+    agents.call("encode", 1, args.per_pod, WARMUP_SEQ)
+    result: dict[str, Any] = agents.call("ingest", 1, args.per_pod, args.clients)
+    return result
+
+
 def _run_ingest_only(url: str, database_url: str, args: Any) -> dict[str, Any]:
     """``--passes`` passes of ingest alone, nothing else: the capacity, pass by pass."""
     nodes, agents = setup(url, args.nodes, args.pods)
@@ -741,14 +781,15 @@ def _run_ingest_only(url: str, database_url: str, args: Any) -> dict[str, Any]:
     try:
         pods = sum(len(n["pods"]) for n in nodes)
         batches = max(1, args.samples // (pods * args.per_pod))
+        warmup = _warm_up(agents, args)
         for index in range(args.passes):
             time.sleep(SETTLE_SECONDS)
             loads.append(Path("/proc/loadavg").read_text().split()[:3])
             cpu = CpuSeconds(database_url)
-            with _profiled(args, index):  # fresh sequence numbers each pass
-                cpu.start()
-                passes.append(agents.call("ingest", batches, args.per_pod, args.clients,
-                                          10_000_000 * index))
+            agents.call("encode", batches, args.per_pod, 10_000_000 * index)  # fresh seqs
+            with _profiled(args, index):
+                cpu.start()  # after the encoding: the pass's CPU is the server's work
+                passes.append(agents.call("ingest", batches, args.per_pod, args.clients))
                 passes[-1]["cpu_seconds"] = cpu.stop()
         sent, lease_failures = agents.call("sent"), agents.call("failures")
     finally:
@@ -762,7 +803,8 @@ def _run_ingest_only(url: str, database_url: str, args: Any) -> dict[str, Any]:
         "samples_per_second_median": statistics.median(rates),
         "samples_per_second_pooled": round(sum(p["samples"] for p in passes)
                                            / sum(p["seconds"] for p in passes), 1),
-        "passes": passes, "lease_failures": lease_failures,
+        "passes": passes, "warmup": warmup, "ids_collation": args.ids_collation,
+        "lease_failures": lease_failures,
         "samples_sent": sent, "samples_stored": stored, "samples_lost": sent - stored,
         "target_samples_per_second": 20_000,
         "load_average_before_each_pass": loads,
@@ -779,7 +821,9 @@ def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
         pods = sum(len(n["pods"]) for n in nodes)
         asyncio.run(load(url, "warmup", 200, args.create_clients))
         batches = max(1, args.samples // (pods * args.per_pod))
-        ingest_alone = agents.call("ingest", batches, args.per_pod, args.clients, 0)
+        _warm_up(agents, args)
+        agents.call("encode", batches, args.per_pod, 0)
+        ingest_alone = agents.call("ingest", batches, args.per_pod, args.clients)
         time.sleep(SETTLE_SECONDS)
         for index in range(args.rounds):
             with waits.sampled("create_alone"):
@@ -793,8 +837,8 @@ def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
         time.sleep(SETTLE_SECONDS)
         # new sequence numbers (the rounds' feeds use 10,000,000 × round): resent ones
         # would be acknowledged as duplicates, which measures nothing
-        ingest_alone_end = agents.call("ingest", batches, args.per_pod, args.clients,
-                                       10_000_000 * (args.rounds + 1))
+        agents.call("encode", batches, args.per_pod, 10_000_000 * (args.rounds + 1))
+        ingest_alone_end = agents.call("ingest", batches, args.per_pod, args.clients)
         sent, lease_failures = agents.call("sent"), agents.call("failures")
         seen = waits.report()
     finally:

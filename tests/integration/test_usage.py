@@ -8,8 +8,10 @@ from collections.abc import Callable
 from datetime import timedelta, timezone
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
+from gpucloud.api.usage_worker import MODE_ENV
 from gpucloud.core.clock import ManualClock
 from gpucloud.core.usage import PodRun
 from gpucloud.db.models import UsageSampleModel
@@ -145,6 +147,40 @@ def test_samples_of_a_pod_not_on_the_node_are_refused_whole(
     assert foreign.status_code == 409 and "gpu-2" in foreign.json()["detail"]
     unknown = _post(api, reg, [_sample("nosuchpod", 0, clock)])
     assert unknown.status_code == 409
+    assert _stored(app_ctx) == []
+
+
+def test_every_chunk_of_a_batchs_pods_is_checked_against_the_node(
+    api: TestClient, register_node: Callable[..., dict[str, Any]],
+    schedule: Callable[[], Any], clock: ManualClock, app_ctx: ServiceContext,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fencing read carries the first chunk of the batch's pods (``_KEYS_PER_QUERY``
+    of them); the pods past it are looked up on their own: a chunk of one here, so the
+    second of two pods is in the second lookup (in this process: the worker process
+    would not see the smaller chunk)."""
+    monkeypatch.setenv(MODE_ENV, "thread")
+    monkeypatch.setattr(usage, "_KEYS_PER_QUERY", 1)
+    reg = register_node("gpu-1")
+    pods = sorted(api.post("/v1/pods", json={**POD, "name": f"p{i}", "gpus": 1}).json()["id"]
+                  for i in range(2))
+    schedule()
+    both = _post(api, reg, [_sample(pods[0], 0, clock), _sample(pods[1], 0, clock)])
+    assert both.json() == {"accepted": 2, "duplicates": 0}
+    late = _post(api, reg, [_sample(pods[0], 1, clock), _sample(pods[1], 1, clock, attempt=7)])
+    assert late.status_code == 409 and f"pod {pods[1]!r} attempt 7" in late.json()["detail"]
+    assert len(_stored(app_ctx)) == 2
+
+
+def test_a_nul_anywhere_in_a_batch_is_reported_before_a_bad_time(
+    api: TestClient, register_node: Callable[..., dict[str, Any]],
+    schedule: Callable[[], Any], clock: ManualClock, app_ctx: ServiceContext,
+) -> None:
+    reg, pod_id = _running(api, register_node, schedule)
+    late = _sample(pod_id, 0, clock)
+    late["time"] = (clock.now() + timedelta(hours=2)).isoformat()
+    refused = _post(api, reg, [late, _sample("bad\u0000pod", 1, clock)])
+    assert refused.status_code == 422 and refused.json()["field"] == "samples[1].pod_id"
     assert _stored(app_ctx) == []
 
 

@@ -7,8 +7,9 @@ a child process it supervises, which parses, validates and stores them. While AP
 run (the API workers' shared activity stamp) its ingest threads are at ``nice`` 19
 (``GPUCLOUD_USAGE_INGEST_NICE``) within milliseconds of the first call: the kernel gives
 a create's threads and its backend the CPU whenever they want it, and ingest runs on what
-is left. While the API is quiet they are back at 0, so other work on the host does not
-starve ingest. Where the host lets it (root, a writable cpu controller), the worker
+is left. While the API is quiet they are back at the level the worker started at (the
+server's own, 0 unless it was started niced), so other work on the host does not starve
+ingest. Where the host lets it (root, a writable cpu controller), the worker
 is also in a cpu cgroup of its own, idle while API calls run (api/ingest_cgroup.py):
 ``nice`` alone holds only inside one scheduling group. A batch already running when API
 calls begin pauses between its statements (``Pause``), where its PostgreSQL backend holds
@@ -303,8 +304,11 @@ class _At:
 
 class Priority:
     """The nice level of the worker's ingest threads and of its PostgreSQL backends:
-    ``nice`` while API calls run, 0 while the API is quiet (then there is nothing to
-    yield to, and other work on the host should not starve ingest). Going back to 0
+    ``nice`` while API calls run, ``base`` while the API is quiet (then there is nothing
+    to yield to, and other work on the host should not starve ingest). ``base`` is the
+    level the worker inherited from its server (0 unless that was started niced, as
+    under ``nice -n 10 pytest``): quiet ingest never runs ahead of the API workers
+    themselves, nor does busy ingest go below ``base``. Going back down to ``base``
     needs CAP_SYS_NICE (root has it); without it the level stays at ``nice`` for good.
     Raising another user's process's nice value (the backends) needs it too.
 
@@ -313,7 +317,9 @@ class Priority:
     in other scheduling groups too (PostgreSQL's), which ``nice`` does not."""
 
     def __init__(self, nice: int, group: IngestGroup | None = None) -> None:
-        self.nice, self.level = nice, 0
+        self.base = os.getpriority(os.PRIO_PROCESS, 0)
+        self.nice = max(nice, self.base)
+        self.level = self.base
         self.sticky = False
         self.group = group
         self._lock = threading.Lock()
@@ -331,13 +337,13 @@ class Priority:
         self.add(pid)
 
     def set(self, busy: bool) -> None:
-        level = self.nice if busy or self.sticky else 0
+        level = self.nice if busy or self.sticky else self.base
         with self._lock:
             if level == self.level:
                 return
             self.level = level
             if self.group is not None:
-                self.group.set_busy(level > 0)
+                self.group.set_busy(level > self.base)
             for task in list(self._tasks):
                 self._set(task, level)
 

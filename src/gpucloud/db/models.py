@@ -501,6 +501,11 @@ class ControllerLeaseModel(Base):
     token: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+#: A 32-character id compared bytewise (COLLATE "C") on PostgreSQL; SQLite's default
+#: collation is bytewise already.
+_BYTEWISE_ID = String(32).with_variant(String(32, collation="C"), "postgresql")
+
+
 class UsageSampleModel(Base):
     """One usage sample of a pod attempt on a node (migration 0011), keyed by (node, pod,
     attempt, seq) so a resent batch stores nothing twice. Counters are cumulative since
@@ -510,8 +515,10 @@ class UsageSampleModel(Base):
     __tablename__ = "usage_samples"
     __table_args__ = (Index("ix_usage_samples_node_time", "node_id", "time"),)
     #: No foreign keys: ingest stays one plain insert, and usage outlives its pod row.
-    node_id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    pod_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    #: The ids compare bytewise on PostgreSQL (migration 0018: every row inserted costs
+    #: key comparisons in two indexes; hex ids sort the same in any collation).
+    node_id: Mapped[str] = mapped_column(_BYTEWISE_ID, primary_key=True)
+    pod_id: Mapped[str] = mapped_column(_BYTEWISE_ID, primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     time: Mapped[datetime]

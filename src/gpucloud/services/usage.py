@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from sqlalchemy import CursorResult, and_, bindparam, func, or_, select, text, tuple_
 from sqlalchemy.dialects import sqlite
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, NoResultFound
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import TextClause
 
@@ -95,10 +95,18 @@ _UNIQUE_VIOLATION = "23505"
 #: The samples as JSON, every field written (``gpus`` as ``[]`` when empty, absent
 #: counters as null), times in ISO 8601 with their offset.
 _SAMPLE_LIST = TypeAdapter(list[UsageSample])
-_BELONGS = text(
+_BELONGS_SQL = (
     "SELECT id, attempt FROM pods WHERE node_id = :node_id AND id IN :pod_ids "
     "UNION SELECT pod_id, attempt FROM pod_runs WHERE node_id = :node_id "
-    "AND pod_id IN :pod_ids").bindparams(bindparam("pod_ids", expanding=True))
+    "AND pod_id IN :pod_ids")
+_BELONGS = text(_BELONGS_SQL).bindparams(bindparam("pod_ids", expanding=True))
+#: The node's name and fencing token with the first ``_KEYS_PER_QUERY`` pods' (pod,
+#: attempt) pairs of ``_BELONGS`` (NULL: none), in one round trip: one row per pair, or
+#: one row of the node alone.
+_FENCE_AND_BELONGS = text(
+    "SELECT n.name, n.fencing_token, k.id, k.attempt FROM nodes AS n "
+    f"LEFT JOIN ({_BELONGS_SQL}) AS k ON 1 = 1 WHERE n.id = :node_id"
+).bindparams(bindparam("pod_ids", expanding=True))
 _NO_GPUS = "[]"
 
 
@@ -112,16 +120,10 @@ def ingest(ctx: ServiceContext, node_id: str, batch: AgentUsageBatchRequest,
     while API calls run: between statements a backend holds no lightweight lock, so a
     batch paused mid-way stalls no create; its transaction stays all or nothing)."""
     now = ctx.clock.now()
-    samples = _unique(batch.samples)
-    _check_times(batch.samples, now)
+    samples, keys = _checked(batch.samples, now)
     pause = between if between is not None else _no_pause
     with ctx.db.transaction() as session:
-        name, token = session.execute(
-            select(NodeModel.name, NodeModel.fencing_token).where(NodeModel.id == node_id)
-        ).one()
-        check_token(token, batch.fencing_token)
-        pause()
-        _check_belongs(session, node_id, str(name), {(s.pod_id, s.attempt) for s in samples})
+        _check_fence_and_belongs(session, node_id, batch.fencing_token, keys, pause)
         step = PAUSE_ROWS if between is not None else max(1, len(samples))
         accepted = _insert_batch(session, node_id, samples, now, step, pause)
         pause()
@@ -134,10 +136,15 @@ def _no_pause() -> None:
     """``ingest`` without pauses: the whole batch in one INSERT."""
 
 
-def _unique(samples: Sequence[UsageSample]) -> list[UsageSample]:
-    """One sample per key (a batch may repeat one; the first wins, as in the table).
-    Strings with NUL are refused (PostgreSQL's text cannot hold one)."""
+def _checked(samples: Sequence[UsageSample], now: datetime
+             ) -> tuple[list[UsageSample], set[tuple[str, int]]]:
+    """One sample per key (a batch may repeat one; the first wins, as in the table) and
+    the batch's (pod, attempt) pairs, in one pass over the batch. Refused: strings with
+    NUL (PostgreSQL's text cannot hold one), then (the first NUL anywhere wins) a time
+    without a zone or too far ahead of ``now``."""
+    latest = now + timedelta(seconds=MAX_FUTURE_SKEW_SECONDS)
     seen: dict[tuple[str, int, int], UsageSample] = {}
+    late: InvalidInput | None = None
     for index, sample in enumerate(samples):
         if "\x00" in sample.pod_id:
             raise InvalidInput(f"samples[{index}].pod_id", "must not contain a NUL character")
@@ -145,30 +152,55 @@ def _unique(samples: Sequence[UsageSample]) -> list[UsageSample]:
             if "\x00" in gpu.uuid:
                 raise InvalidInput(f"samples[{index}].gpus[{number}].uuid",
                                    "must not contain a NUL character")
+        if late is None:
+            late = _time_error(index, sample.time, now, latest)
         seen.setdefault((sample.pod_id, sample.attempt, sample.seq), sample)
-    return list(seen.values())
+    if late is not None:
+        raise late
+    return list(seen.values()), {(pod_id, attempt) for pod_id, attempt, _ in seen}
 
 
-def _check_times(samples: Sequence[UsageSample], now: datetime) -> None:
-    latest = now + timedelta(seconds=MAX_FUTURE_SKEW_SECONDS)
-    for index, sample in enumerate(samples):
-        if sample.time.tzinfo is None:
-            raise InvalidInput(f"samples[{index}].time", "must carry a time zone (UTC)")
-        if sample.time > latest:
-            raise InvalidInput(
-                f"samples[{index}].time",
-                f"{sample.time.isoformat()} is more than {MAX_FUTURE_SKEW_SECONDS:g}s ahead "
-                f"of the server's clock ({now.isoformat()}); is the node's clock right?")
+def _time_error(index: int, time: datetime, now: datetime,
+                latest: datetime) -> InvalidInput | None:
+    if time.tzinfo is None:
+        return InvalidInput(f"samples[{index}].time", "must carry a time zone (UTC)")
+    if time > latest:
+        return InvalidInput(
+            f"samples[{index}].time",
+            f"{time.isoformat()} is more than {MAX_FUTURE_SKEW_SECONDS:g}s ahead "
+            f"of the server's clock ({now.isoformat()}); is the node's clock right?")
+    return None
+
+
+def _check_fence_and_belongs(session: Session, node_id: str, fencing_token: int,
+                             keys: set[tuple[str, int]], pause: Callable[[], None]) -> None:
+    """The fencing token first (stale: 409, nothing else looked at), then every (pod,
+    attempt) of the batch (``_check_belongs``); the node's row and the first pods'
+    pairs in one statement (``_FENCE_AND_BELONGS``), the rest, if any, after ``pause``."""
+    pod_ids = sorted({pod_id for pod_id, _ in keys})
+    first = pod_ids[:_KEYS_PER_QUERY]
+    if not first:
+        name, token = session.execute(
+            select(NodeModel.name, NodeModel.fencing_token).where(NodeModel.id == node_id)
+        ).one()
+        check_token(token, fencing_token)
+        return
+    rows = session.execute(_FENCE_AND_BELONGS, {"node_id": node_id, "pod_ids": first}).all()
+    if not rows:
+        raise NoResultFound(f"no node {node_id!r}")
+    name, token = rows[0][0], rows[0][1]
+    check_token(token, fencing_token)
+    known = {(str(p), int(a)) for _, _, p, a in rows if p is not None}
+    pause()
+    _check_belongs(session, node_id, str(name), keys, pod_ids[_KEYS_PER_QUERY:], known)
 
 
 def _check_belongs(session: Session, node_id: str, node_name: str,
-                   keys: set[tuple[str, int]]) -> None:
+                   keys: set[tuple[str, int]], pod_ids: Sequence[str],
+                   known: set[tuple[str, int]]) -> None:
     """Conflict naming the first (pod, attempt) that was never on this node: the pod is
-    bound there on that attempt, or the meter has that attempt's run there (one query)."""
-    if not keys:
-        return
-    pod_ids = sorted({pod_id for pod_id, _ in keys})
-    known: set[tuple[str, int]] = set()
+    bound there on that attempt, or the meter has that attempt's run there. ``known``:
+    the pairs found so far; ``pod_ids``: the pods still to look up (a query a chunk)."""
     for chunk in _chunks(pod_ids):
         known.update((str(p), int(a)) for p, a in session.execute(
             _BELONGS, {"node_id": node_id, "pod_ids": list(chunk)}))
