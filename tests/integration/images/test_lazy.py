@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpucloud.images import ImageManager, RootfsMode
-from gpucloud.images.lazy.cache import ChunkCache
+from gpucloud.images.lazy.cache import OPEN_FILES, ChunkCache
 from gpucloud.images.lazy.client import LazyfsClient, LazyfsError
 from gpucloud.images.lazy.estargz import read_toc_file
 from gpucloud.images.testing import (
@@ -167,6 +167,31 @@ def test_cached_sequential_reads_are_spliced_exact_across_chunks(registry: Regis
     status = lazyfs.status()["layers"][lazy.image.layers[0].digest]  # type: ignore[attr-defined]
     assert status["errors"] == 0
     assert status["demand_fetched"] + status["prefetched"] < 2 * len(SEQ)  # never refetched
+
+
+def test_cached_reads_give_their_descriptors_back(registry: Registry, tmp_path: Path,
+                                                 lazyfs: LazyfsClient) -> None:
+    """More cached files read than the cache keeps open (``OPEN_FILES``): the daemon's
+    descriptors stay bounded. Each zero-copy reply holds its chunk files until the same
+    libfuse thread's next request; a thread-local lost them (a fresh one per ctypes
+    callback), so every file ever read stayed open, up to the process's limit."""
+    files: dict[str, bytes | str | object] = {f"many/{n:04d}": f"file {n}\n" * (n % 7 + 1)
+                                              for n in range(OPEN_FILES + 200)}
+    lazy, toc = _push(registry, tmp_path, "lazy-fds", [files])
+    mnt = _mount(lazyfs, registry.host, "lazy-fds", lazy, toc)
+    for name, data in files.items():  # fetched, then served from the cache
+        assert (mnt / name).read_bytes() == str(data).encode()
+    fds = Path(f"/proc/{lazyfs.pid()}/fd")
+    before = len(list(fds.iterdir()))
+    for name in files:
+        path = mnt / name
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next read asks FUSE
+            assert os.read(fd, 1 << 16)
+        finally:
+            os.close(fd)
+    assert len(list(fds.iterdir())) < before + OPEN_FILES + 64  # the pool, and no more
 
 
 def test_shared_mount_is_refcounted_and_prefetch_completes(registry: Registry, tmp_path: Path,

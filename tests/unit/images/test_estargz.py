@@ -39,6 +39,7 @@ from gpucloud.images.lazy.toc import (
     PREFETCH_LANDMARK,
     TOC_NAME,
     InvalidToc,
+    TocEntry,
     parse_toc,
 )
 from gpucloud.images.unpack import Whiteouts, unpack_layer
@@ -241,6 +242,16 @@ def test_toc_refuses_escaping_hardlink_target() -> None:
      "chunkDigest": DIGEST},
     {"name": "f", "type": "socket"},
     {"name": "f", "type": "reg", "size": "5"},
+    {"name": "f", "type": "reg", "size": True},
+    {"type": "reg"},
+    {"name": "f"},
+    {"name": 5, "type": "reg"},
+    {"name": "f", "type": "reg", "size": 5, "offset": 10, "chunkDigest": DIGEST + "\n"},
+    {"name": "f", "type": "reg", "size": 5, "offset": 10,
+     "chunkDigest": DIGEST + "\n" + DIGEST},  # two digests' worth in one value
+    {"name": "f", "type": "reg", "size": 5, "offset": 10, "chunkDigest": DIGEST.upper()},
+    {"name": "f", "type": "reg", "size": 5, "offset": 10, "chunkDigest": DIGEST,
+     "digest": "sha256:abc"},
 ])
 def test_toc_refuses_out_of_range_or_malformed_entries(entry: dict[str, Any]) -> None:
     with pytest.raises(InvalidToc):
@@ -257,6 +268,17 @@ def test_toc_refuses_backwards_offsets_and_gaps_in_chunks() -> None:
     gap = {"name": "c", "type": "chunk", "offset": 20, "chunkOffset": 5, "chunkDigest": DIGEST}
     with pytest.raises(InvalidToc, match="tile"):
         parse_toc(_toc(head, gap), 100)
+
+
+def test_toc_nulls_are_defaults_and_entries_equal_built_ones() -> None:
+    """The parser fills entries without the dataclass's ``__init__``: what it returns must
+    still equal an entry built the ordinary way."""
+    data = _toc({"name": "./d/f", "type": "reg", "size": 3, "offset": 10, "mode": None,
+                 "uid": None, "linkName": None, "chunkDigest": DIGEST})
+    ent = parse_toc(data, 100, toc_offset=60).entries[0]
+    built = TocEntry("./d/f", "reg", 3, offset=10, chunkDigest=DIGEST)
+    assert ent == built and ent.path == built.path == "d/f"
+    assert ent.mode == 0 and ent.linkName == "" and ent.xattrs == {}
 
 
 def test_toc_tolerates_crfs_style_and_newer_writers() -> None:

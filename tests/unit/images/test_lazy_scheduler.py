@@ -116,6 +116,31 @@ def test_prefetch_concurrency_is_bounded_but_demand_is_not_held_back() -> None:
     assert demand is not None and demand.priority is Priority.DEMAND
 
 
+def test_two_prefetch_workers_overlap_prioritized_fetches_but_not_the_bulk() -> None:
+    """The daemon's two prefetch fetches: a second prioritized request goes out while the
+    first is still being processed; the bulk never runs beside another prefetch, nor two
+    at once."""
+    clock, src = Clock(), Recorder()
+    sched = FetchScheduler(4, 2, gap=100, prefetch_request=1_000, bulk_quiet=1.0,
+                           clock=clock, threads=False)
+    sched.submit(src, _items((0, 100), (5000, 5100), (9000, 9100)), Priority.PRIORITY)
+    first, second = sched.take(), sched.take()
+    assert first is not None and second is not None
+    assert (first.priority, second.priority) == (Priority.PRIORITY, Priority.PRIORITY)
+    assert sched.take() is None  # two at a time
+    sched.finish(first, src.fetch_items(first.items, first.priority))
+    sched.submit(src, _items((20000, 20100), (30000, 30100)), Priority.BULK)
+    clock.now += 5
+    third = sched.take()
+    assert third is not None and third.priority is Priority.PRIORITY
+    sched.finish(second, src.fetch_items(second.items, second.priority))
+    assert sched.take() is None  # a prioritized fetch still runs: no bulk beside it
+    sched.finish(third, src.fetch_items(third.items, third.priority))
+    bulk = sched.take()
+    assert bulk is not None and bulk.priority is Priority.BULK
+    assert sched.take() is None  # one bulk fetch at a time
+
+
 def test_a_demand_read_promotes_a_chunk_queued_for_prefetch() -> None:
     clock, src = Clock(), Recorder()
     sched = _scheduler(clock)

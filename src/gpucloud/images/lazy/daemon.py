@@ -98,7 +98,9 @@ class LazyfsDaemon:
         self.mnt = self.root / "mnt"
         self.mnt.mkdir(parents=True, exist_ok=True)
         self.cache = ChunkCache(self.root / "cache", cache_limit)
-        self.scheduler = FetchScheduler()  # one for the node: demand anywhere pauses prefetch
+        # One for the node (demand anywhere pauses prefetch); two prefetch fetches at once
+        # (scheduler.py: one on the wire while the other's chunks are processed).
+        self.scheduler = FetchScheduler(prefetch_workers=2)
         self._read_deadline = read_deadline
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mounted] = {}
@@ -255,11 +257,13 @@ class LazyfsDaemon:
         # Not earlier: its decompressing and hashing took the GIL from the tree building
         # and FUSE handshake that the pod's overlay waits for (0.3-0.9 s on a large TOC),
         # and the start's first reads come after overlay, bundle and runc anyway.
-        threading.Thread(target=layer.prefetch, args=(stop,), daemon=True,
-                         name=f"prefetch-{digest_hex(spec.digest)[:12]}").start()
+        # The readahead is raised first: its stat is a FUSE request to this process, which
+        # waited behind the prefetch's threads for the GIL (0.1 s with two prefetch fetches).
         raise_readahead(str(path))
         mounted = _Mounted(LayerSpec(**{**asdict(spec), "holders": []}), layer, path, thread,
                            stop)
+        threading.Thread(target=layer.prefetch, args=(stop,), daemon=True,
+                         name=f"prefetch-{digest_hex(spec.digest)[:12]}").start()
         mark("daemon.mount.end", digest=spec.digest)
         return mounted
 

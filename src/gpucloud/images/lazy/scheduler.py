@@ -7,8 +7,9 @@ layer). A request is a set of chunks (``Item``: a key, a compressed extent of a 
 
 * ``DEMAND``: a FUSE read is waiting for it. Up to ``workers`` demand fetches run at once.
 * ``PRIORITY``: the layer's prioritized files (before ``.prefetch.landmark``): what the
-  start is about to read (a recording of it). Fetched right after the mount, one request
-  of at most ``prefetch_request`` bytes at a time, never while a demand request is queued:
+  start is about to read (a recording of it). Fetched right after the mount, requests of
+  at most ``prefetch_request`` bytes (``prefetch_workers`` at a time), never while a demand
+  request is queued:
   a demand read always goes out next. It may be on the wire beside demand fetches (it is
   the start's own predicted reads: pausing it whenever a read is outstanding would turn a
   start that reads 900 small files into 900 sequential round trips).
@@ -16,9 +17,12 @@ layer). A request is a set of chunks (``Item``: a key, a compressed extent of a 
   have been quiet for ``bulk_quiet`` seconds (a starting program reads in bursts; the rest
   of the layer must not share the link or the CPU with them).
 
-At most ``prefetch_workers`` prefetch fetches run at once, each at most
-``prefetch_request`` bytes, so a demand read that arrives while one is on the wire shares
-the link with little. Queued prefetch is preempted outright: a demand read of a chunk
+At most ``prefetch_workers`` prefetch fetches run at once (``BULK``: one, and only when no
+other prefetch runs), each at most ``prefetch_request`` bytes, so a demand read that
+arrives while they are on the wire shares the link with little. The daemon runs two: one
+request's chunks are decompressed, hashed and written while the next is on the wire
+(with one, the link idled for each batch's processing, longer than its transfer for a
+batch of small files). Queued prefetch is preempted outright: a demand read of a chunk
 queued for prefetch promotes it to ``DEMAND``, and nothing of lower priority is dispatched
 while demand work exists. A chunk is fetched once however many readers want it (single
 flight). Queued items of one source and priority that are adjacent or nearby in the blob
@@ -303,8 +307,8 @@ class FetchScheduler:
             return self._batch(Priority.PRIORITY, self._prefetch_request)
         if self._running[Priority.DEMAND]:
             return None  # the bulk waits while a demand fetch is on the wire
-        if self._queued[Priority.BULK] and self.bulk_wait() <= 0:
-            return self._batch(Priority.BULK, self._prefetch_request)
+        if self._queued[Priority.BULK] and not prefetching and self.bulk_wait() <= 0:
+            return self._batch(Priority.BULK, self._prefetch_request)  # one at a time
         return None
 
     def bulk_wait(self) -> float:
