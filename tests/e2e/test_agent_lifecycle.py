@@ -4,10 +4,12 @@ its pods move, deleted and moved pods are killed, images imported for offline us
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from gpucloud.cli.image import app as image_app
@@ -145,3 +147,31 @@ def test_a_pod_that_ended_while_its_agent_was_down_is_reported(
     assert (pod.phase, pod.exit_code) == ("Succeeded", 0)
     assert patient_cloud.client.pod_logs("brief").text == "one\ntwo\n"
     wait_for(lambda: agent.driver().containers() == [], 10, "the ended container's removal")
+
+
+def test_the_first_output_ships_while_runc_is_still_starting_the_container(
+        cloud: Cloud, images: PushedImages, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's ``runc`` (found on ``PATH``) is a shim whose ``run`` does not return
+    until a file appears: the pod's first line is in its log, served by the API, while
+    the start is still under way (not ``Running`` yet); then the pod runs to its end."""
+    release = tmp_path / "release"
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    shim = shims / "runc"
+    shim.write_text(
+        "#!/bin/sh\n/usr/bin/runc \"$@\"\ncode=$?\n"
+        'case " $* " in *" run "*) while [ ! -e ' + str(release) + ' ]; do sleep 0.01; '
+        "done;; esac\nexit $code\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shims}{os.pathsep}{os.environ.get('PATH', '')}")
+    cloud.agent("gpu-a")
+    try:
+        cloud.create_pod("early", images.busybox, ["sh", "-c", "echo first; sleep 1"],
+                         gpus=1)
+        cloud.wait_log("early", "first\n")
+        assert cloud.client.get_pod("early").phase in ("Scheduled", "Pulling")
+    finally:
+        release.touch()
+    cloud.wait_pod("early", "Succeeded")
+    assert cloud.client.pod_logs("early").text == "first\n"

@@ -69,9 +69,13 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 DEFAULT_GRACE_SECONDS = 30.0
 RUNC_TIMEOUT_SECONDS = 120.0
 RELEASE_POLL_SECONDS = 0.05
-#: How long the zygote is idle before it makes the next spare supervisor (``serve``):
-#: one forked while a start is under way would compete with it for the CPU.
+#: How long the zygote is idle, with no start under way, before it makes the next spare
+#: supervisor (``serve``): one forked while a start is under way would compete with it for
+#: the CPU.
 SPARE_IDLE_SECONDS = 0.05
+#: The longest a start the zygote took counts as under way without the driver saying it
+#: is over (``zygote.START_OVER``): a driver that never says gets its spares late, not never.
+START_SECONDS = 10.0
 
 
 class SupervisorError(Exception):
@@ -504,11 +508,14 @@ def serve(sock_fd: int) -> int:
     the driver's end closes.
 
     A supervisor is nobody's child, as with ``main``: a fork whose parent exits at once.
-    Once the zygote has been idle for ``SPARE_IDLE_SECONDS`` it makes one such process
-    ahead (``_fork_spare``), which waits for the next request; that request is handed to
-    it, so a start does not wait for two forks and a new process to be scheduled (a burst
-    of starts forks the ones the spare cannot take, as before). The spare exits with the
-    zygote (its socket closes).
+    Once no start is under way and the zygote has been idle for ``SPARE_IDLE_SECONDS`` it
+    makes one such process ahead (``_fork_spare``), which waits for the next request; that
+    request is handed to it, so a start does not wait for two forks and a new process to
+    be scheduled (a burst of starts forks the ones the spare cannot take, as before). The
+    spare exits with the zygote (its socket closes). A start is under way from its request
+    to the driver's datagram without a descriptor that says it is over (sent once the
+    status line is in), at most ``START_SECONDS``: until s43 the spare was made 50 ms after
+    the hand-over, in the middle of that start's ``runc`` (every traced warm start).
     """
     for ignored in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(ignored, signal.SIG_IGN)
@@ -517,17 +524,23 @@ def serve(sock_fd: int) -> int:
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     spare: socket.socket | None = None
+    starts = _Starts()
     while True:
-        if spare is None and not poller.poll(SPARE_IDLE_SECONDS * 1000):
-            spare = _fork_spare(sock)
+        if spare is None and not poller.poll(starts.idle_wait() * 1000):
+            if starts.settled():
+                spare = _fork_spare(sock)
             continue
         message, fds, _flags, _address = socket.recv_fds(sock, 65536, 1)
         if not message:
             return 0
+        if not fds:
+            starts.over()  # the driver's ``START_OVER``
+            continue
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             continue
+        starts.began()
         if spare is not None:
             handed = _hand_over(spare, message, fds[0])
             spare.close()  # used, or dead: a new one is made when idle
@@ -540,6 +553,33 @@ def serve(sock_fd: int) -> int:
             _report_error(fds[0], "error: bad supervisor request")
             continue
         _fork_supervisor(sock, args, fds[0])
+
+
+class _Starts:
+    """The starts the zygote took that its driver has not said are over (``serve``)."""
+
+    def __init__(self) -> None:
+        self._began: list[float] = []
+
+    def began(self) -> None:
+        self._began.append(time.monotonic())
+
+    def over(self) -> None:
+        if self._began:
+            self._began.pop(0)
+
+    def settled(self) -> bool:
+        """No start under way (one older than ``START_SECONDS`` no longer counts)."""
+        now = time.monotonic()
+        self._began = [at for at in self._began if now - at < START_SECONDS]
+        return not self._began
+
+    def idle_wait(self) -> float:
+        """How long to wait for a request before looking again: ``SPARE_IDLE_SECONDS``,
+        or, while a start is under way, until the oldest stops counting."""
+        if not self._began:
+            return SPARE_IDLE_SECONDS
+        return max(SPARE_IDLE_SECONDS, self._began[0] + START_SECONDS - time.monotonic())
 
 
 def _hand_over(spare: socket.socket, message: bytes, report: int) -> bool:

@@ -4,7 +4,10 @@ Starting a supervisor as ``python -m gpucloud.runtime.supervisor`` costs an inte
 start and its imports (40–50 ms here, more under load), paid by every pod start. The
 zygote is one such interpreter, started once per driver and kept: a start is a datagram to
 it, handed to the spare supervisor it forked ahead while idle (else forked for then; see
-``supervisor.serve``). What runs is the same supervisor code with the same detachment
+``supervisor.serve``). Once the start's status line is in (``runc`` has started the
+container, or failed), a datagram without a descriptor (``START_OVER``) tells the zygote
+that this start no longer needs the CPU: it makes its next spare only when no start is
+under way. What runs is the same supervisor code with the same detachment
 (setsid, not the agent's child), so a container started either way looks the same to the
 driver, to ``status`` and to a restarted agent.
 
@@ -26,6 +29,8 @@ import time
 from collections.abc import Sequence
 
 READ_BYTES = 4096
+#: The driver's word that a start it asked for is over (no descriptor attached).
+START_OVER = b"[]"
 
 
 class ZygoteUnavailable(Exception):
@@ -55,6 +60,19 @@ class Zygote:
             return _read_line(read_end, timeout)
         finally:
             os.close(read_end)
+            self._start_over()
+
+    def _start_over(self) -> None:
+        """Tell the zygote that a start it took is over (its next spare may be made). A
+        zygote gone meanwhile is left to the next start; one that never hears this stops
+        counting the start after ``supervisor.START_SECONDS``."""
+        with self._lock:
+            if self._sock is None:
+                return
+            try:
+                self._sock.send(START_OVER, socket.MSG_DONTWAIT)
+            except OSError:
+                pass
 
     def prestart(self) -> None:
         """Start the zygote now, in the background, so that the first container start (a

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from gpucloud.agent.podnetwork import NodeNetwork, node_network
 from gpucloud.runtime.bundle import ContainerSpec, ImageConfig
 from gpucloud.runtime.driver import ContainerState, RuncDriver
 from gpucloud.runtime.layout import read_json
+from gpucloud.runtime.supervisor import SPARE_IDLE_SECONDS
 from tests.integration.runtime.runc_testing import RUNC, cleanup, scheduled_assignment, wait_until
 
 pytestmark = pytest.mark.root
@@ -140,3 +143,40 @@ def test_an_idle_zygote_hands_the_next_start_to_a_supervisor_made_ahead(
     assert driver.zygote is not None
     driver.zygote.close()
     wait_until(lambda: not _spares(driver), what="the spare to end with the zygote")
+
+
+def test_the_zygote_makes_no_spare_while_a_start_is_under_way(
+        tmp_path: Path, busybox_rootfs: Path) -> None:
+    """While a start's ``runc`` runs (held here by a shim until a file appears) the zygote
+    makes no spare, however long it is idle; once the start's status line is in, the next
+    spare comes. (Until s43 it came ``SPARE_IDLE_SECONDS`` after the hand-over: in the
+    middle of that start's ``runc``.)"""
+    release = tmp_path / "release"
+    shim = tmp_path / "runc-shim"
+    shim.write_text(f"#!/bin/sh\nwhile [ ! -e {release} ]; do sleep 0.01; done\n"
+                    f'exec {RUNC} "$@"\n')
+    shim.chmod(0o755)
+    driver = RuncDriver(tmp_path / "state", runc=str(shim))
+    starting = threading.Thread(target=driver.start, args=("c6-1",), daemon=True)
+    try:
+        driver.prestart()
+        wait_until(lambda: len(_spares(driver)) == 1, what="a spare supervisor")
+        driver.build(ContainerSpec("c6-1", "c6", command=("echo", "hi")), busybox_rootfs,
+                     ImageConfig())
+        starting.start()
+        wait_until(driver.paths("c6-1").supervisor_pid.exists, what="the spare to take it")
+        # Another process's idleness: no clock of ours to advance. Ten idle periods, in
+        # which the zygote made its spare before.
+        time.sleep(10 * SPARE_IDLE_SECONDS)
+        assert not _spares(driver)
+        release.touch()
+        starting.join(20)
+        assert driver.status("c6-1").state is not ContainerState.CREATING
+        wait_until(lambda: len(_spares(driver)) == 1, what="the next spare")
+    finally:
+        release.touch()
+        if starting.is_alive():
+            starting.join(20)
+        cleanup(driver)
+        assert driver.zygote is not None
+        driver.zygote.close()
