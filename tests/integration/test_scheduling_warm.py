@@ -63,6 +63,7 @@ def test_an_idle_pass_takes_one_write_statement_and_binds_nothing(
     runner: ControllerRunner,
 ) -> None:
     register_node("a")
+    runner.scheduling.tick()  # takes the registration's capacity mark (services/capacity.py)
     with statements_sent(app_ctx.db) as sent:
         result = runner.scheduling.tick()
     assert result.considered == 0 and len(sent) == 2  # the fence and the empty lease

@@ -16,6 +16,7 @@ from gpucloud.access import gateway
 from gpucloud.access.proxy import ProxyMiddleware
 from gpucloud.api import errors, lease_capacity, openapi, usage_admission
 from gpucloud.api import metrics as metrics_routes
+from gpucloud.api.agent_fast import AgentFastPath
 from gpucloud.api.limits import BodyLimitMiddleware
 from gpucloud.api.routers import access as access_routes
 from gpucloud.api.routers import agent, jobs, nodes, pods, policy, projects
@@ -104,6 +105,9 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
     app = FastAPI(title="gpucloud", version=__version__, lifespan=lifespan)
     errors.install(app)
     openapi.install(app)
+    # Innermost: the agent's renewals and long polls without the framework's request
+    # cycle (api/agent_fast.py); the middlewares below still see them.
+    app.add_middleware(AgentFastPath)
     app.add_middleware(BodyLimitMiddleware)
     app.add_middleware(metrics_routes.MetricsMiddleware)
     # API calls make usage ingest yield (api/usage_admission.py).

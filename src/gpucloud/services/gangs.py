@@ -53,6 +53,7 @@ from gpucloud.services.scheduling import (
     claim_node,
     quota_model,
     reservation_free,
+    retry_marked,
     snapshot,
 )
 
@@ -170,6 +171,7 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = 32) -> JobP
     """Place up to ``limit`` queued jobs, each whole or not at all: jobs holding
     reservations onto them once the victims are gone, the others within their project's
     quota, by priority, then dominant share (DRF), then age."""
+    retry_marked(ctx)
     token, jobs = lease_queued(ctx, limit)
     result = JobPassResult(considered=len(jobs))
     if not jobs:

@@ -56,6 +56,10 @@ PASS_PODS = Counter("gpucloud_scheduler_pods_total", "Pods considered by schedul
                     "by outcome.", ("outcome",))
 LEASES_RENEWED = Counter("gpucloud_node_lease_renewals_total", "Node lease renewals "
                          "accepted.")
+AGENT_FAST_PATH = Counter("gpucloud_agent_requests_served_total", "The agent's renewals and "
+                          "long polls by the path that answered them: ``fast`` "
+                          "(api/agent_fast.py) or ``route`` (FastAPI's, for what the fast "
+                          "path does not take).", ("route", "served"))
 LEASES_EXPIRED = Counter("gpucloud_node_lease_expiries_total", "Node leases that lapsed "
                          "(the node was marked Lost).")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from functools import partial
+from pathlib import Path
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -95,7 +96,7 @@ def _register(ctx: ServiceContext, request: NodeRegisterRequest, now: datetime,
               before_commit: Callable[[], None] | None) -> NodeRegisterResponse:
     secret = new_secret("gpn")
     ttl = lease_ttl.current(ctx)
-    gateway_keys = gateway_public_keys(ctx.settings.home)
+    gateway_keys = _gateway_keys(ctx.settings.home)
     with ctx.db.transaction() as session:
         node = session.scalar(select(NodeModel).where(NodeModel.name == request.name))
         if node is not None:  # its old token is refused from now on, on every replica:
@@ -122,6 +123,19 @@ def _register(ctx: ServiceContext, request: NodeRegisterRequest, now: datetime,
         return NodeRegisterResponse(node_id=node.id, name=node.name, node_token=secret,
                                     fencing_token=node.fencing_token, lease_ttl_seconds=ttl,
                                     gateway_public_keys=gateway_keys)
+
+
+#: The gateway's public key lines by server home, read once: the gateway logs in with the
+#: key it loaded once too (access/upstream.py), and a registration read and parsed the
+#: private key file each time (~5 % of its CPU in a fleet's ramp).
+_GATEWAY_KEYS: dict[Path, list[str]] = {}
+
+
+def _gateway_keys(home: Path) -> list[str]:
+    keys = _GATEWAY_KEYS.get(home)
+    if keys is None:
+        keys = _GATEWAY_KEYS[home] = gateway_public_keys(home)
+    return list(keys)
 
 
 def _set_access(node: NodeModel, request: NodeRegisterRequest) -> None:

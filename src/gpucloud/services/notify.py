@@ -2,10 +2,10 @@
 
 Every replica keeps one connection of its own that LISTENs on ``gpucloud``; a change
 committed on one replica (a node's assignments, a revoked key, a node's replaced token,
-a serverless request queued or finished, a chunk stored of a pod's log that another
-replica follows) is published after commit from a queue by one thread on another
-connection of its own, batched, never on the request or heartbeat path (NOTIFY takes a
-global lock at commit). A receiver wakes the
+a serverless request queued or finished, capacity that appeared, a chunk stored of a
+pod's log that another replica follows) is published after commit from a queue by one
+thread on another connection of its own, batched, never on the request or heartbeat path
+(NOTIFY takes a global lock at commit). A receiver wakes the
 long polls of that node (``wakeups.ASSIGNMENTS``) or the waiting reads of that pod's log
 (``wakeups.LOGS``), clears its cache (``ctx.cache``), or forgets one entry of it (a
 re-registered node's old token: the fleet's other cached tokens stay, so a registration
@@ -26,7 +26,7 @@ import threading
 import psycopg
 from sqlalchemy.engine import make_url
 
-from gpucloud.services import serverless_queue, wakeups
+from gpucloud.services import capacity, serverless_queue, wakeups
 from gpucloud.services.context import TtlCache
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ LOGS = "l:"
 #: ``f:<origin>:<pod id>``: replica ``origin`` waits on the pod's log (``wakeups.LOGS
 #: .follow``); the others publish its chunks for a while.
 FOLLOW = "f:"
+#: Capacity appeared on another replica (services/capacity.py): the leader's next pass
+#: looks at unschedulable pods again.
+CAPACITY = "u:"
 #: ``h:<origin>``: a replica began listening, and knows no one's follows: the others
 #: announce theirs again at their next follow.
 HELLO = "h:"
@@ -80,6 +83,7 @@ class NotifyBridge:
         wakeups.LOGS.announcer = lambda key: self._outbox.put(
             f"{FOLLOW}{self.origin}:{key}")
         serverless_queue.WAKEUPS.publisher = lambda key: self._outbox.put(SERVERLESS + key)
+        capacity.CAPACITY.publisher = lambda: self._outbox.put(CAPACITY)
         self.cache.publisher = lambda: self._outbox.put(CACHE)
         self.cache.key_publisher = lambda key: self._outbox.put(CACHE_KEY + key)
         for thread in self._threads:
@@ -90,6 +94,7 @@ class NotifyBridge:
         wakeups.LOGS.publisher = None
         wakeups.LOGS.announcer = None
         serverless_queue.WAKEUPS.publisher = None
+        capacity.CAPACITY.publisher = None
         self.cache.publisher = None
         self.cache.key_publisher = None
         self._stop.set()
@@ -159,6 +164,8 @@ class NotifyBridge:
         for item in payload.split():
             if item == CACHE:
                 self.cache.clear_local()
+            elif item == CAPACITY:
+                capacity.CAPACITY.mark_local()
             elif item.startswith(CACHE_KEY):
                 self.cache.forget_local(item[len(CACHE_KEY):])
             elif item.startswith(ASSIGNMENTS):

@@ -41,6 +41,7 @@ from gpucloud.scheduler.quota import Ledger, drf_capacity, gpu_capacity
 from gpucloud.scheduler.types import FULL_GPU_MILLI, NodeLoad
 from gpucloud.services import (
     backfill,
+    capacity,
     gpu_maintenance,
     gpu_milli,
     loadaware,
@@ -449,6 +450,7 @@ def run_pass(ctx: ServiceContext, scheduler: Scheduler, limit: int = PASS_LIMIT,
     checked against their project's quota, ordered by priority, then by their project's
     dominant share (DRF), then by age, and placed.
     """
+    retry_marked(ctx)
     token, leased = lease_pending(ctx, limit)
     result = PassResult(considered=len(leased))
     if not leased:
@@ -853,20 +855,37 @@ def claim_node(session: Session, node_id: str, version: int) -> bool:
 
 
 def retry_unschedulable(session: Session) -> None:
-    """Capacity may have appeared: let the next pass look at unschedulable pods and jobs
-    again."""
-    session.execute(
-        update(PodModel)
-        .where(PodModel.phase == PodPhase.PENDING.value, PodModel.reason == "Unschedulable",
-               PodModel.not_before.is_not(None))
-        .values(not_before=None)
-    )
-    session.execute(
-        update(JobModel)
-        .where(JobModel.gang_state == "queued", JobModel.reason == "Unschedulable",
-               JobModel.not_before.is_not(None))
-        .values(not_before=None)
-    )
+    """Capacity may have appeared: once ``session`` commits, the next pass looks at
+    unschedulable pods and jobs again (coalesced: services/capacity.py)."""
+    on_commit(session, capacity.CAPACITY.mark)
+
+
+def retry_marked(ctx: ServiceContext) -> bool:
+    """Clear the unschedulable pods' and jobs' back-off if capacity appeared since the
+    last pass (``retry_unschedulable``): one transaction for all the changes that came
+    meanwhile. The mark stays when it fails (the database away), for the next pass."""
+    if not capacity.CAPACITY.take():
+        return False
+    try:
+        with ctx.db.transaction() as session:
+            connection = session.connection()
+            connection.execute(_RETRY_PODS)
+            connection.execute(_RETRY_JOBS)
+    except BaseException:
+        capacity.CAPACITY.mark_local()
+        raise
+    return True
+
+
+_JOBS = Base.metadata.tables[JobModel.__tablename__]
+_RETRY_PODS = (update(_PODS)
+               .where(_PODS.c.phase == PodPhase.PENDING.value,
+                      _PODS.c.reason == "Unschedulable", _PODS.c.not_before.is_not(None))
+               .values(not_before=None))
+_RETRY_JOBS = (update(_JOBS)
+               .where(_JOBS.c.gang_state == "queued", _JOBS.c.reason == "Unschedulable",
+                      _JOBS.c.not_before.is_not(None))
+               .values(not_before=None))
 
 
 def _release_lock(ctx: ServiceContext, pod: LeasedPod, token: str) -> None:

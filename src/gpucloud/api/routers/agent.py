@@ -86,7 +86,14 @@ async def lease(body: LeaseRequest, ctx: Ctx, credential: NodeToken) -> LeaseRes
     (api/lease_capacity.py): other routes' load cannot queue in front of a renewal.
     The new expiry counts from the renewal's arrival, and one that waited here over half
     the TTL is refused (``lease_capacity.check_fresh``): nothing renews a lease late, on
-    behalf of an agent that may have died meanwhile."""
+    behalf of an agent that may have died meanwhile. A well-formed renewal is served by
+    api/agent_fast.py, without the framework's request cycle, by ``renew`` as here."""
+    return await renew(ctx, body, credential)
+
+
+async def renew(ctx: ServiceContext, body: LeaseRequest,
+                credential: NodeCredential) -> LeaseResponse:
+    """``POST /v1/agent/lease``'s work, whichever way the request came."""
     received_at = ctx.clock.now()
     response = (await lease_capacity.renew_current(ctx, credential.token, body, received_at)
                 if credential.token else None)
@@ -122,8 +129,15 @@ async def assignments(ctx: Ctx, credential: NodeToken,
     poll waits on), and a poll that ends on an unchanged revision gets the answer kept
     for it (``assignment_answers``). The first read comes before the poll listens (it
     finds the node); a change committed in that instant is caught by the watcher, which
-    wakes a node whose revision moved since it last looked.
+    wakes a node whose revision moved since it last looked. A well-formed poll is served
+    by api/agent_fast.py, without the framework's request cycle, by ``poll`` as here.
     """
+    return await poll(ctx, credential, wait, revision)
+
+
+async def poll(ctx: ServiceContext, credential: NodeCredential, wait: float,
+               revision: int | None) -> AssignmentsOut:
+    """``GET /v1/agent/assignments``'s work, whichever way the request came."""
     deadline = time.monotonic() + wait
     node_id, current = await run_in_threadpool(
         auth_guard.authenticated, ctx, credential.limit_keys,
