@@ -31,9 +31,10 @@ from urllib.parse import parse_qsl
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.routing import BaseRoute
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpucloud.api.deps import NodeCredential
+from gpucloud.api.limits import read_body, replay_body
 from gpucloud.api.routers import agent
 from gpucloud.core.models import LeaseRequest
 from gpucloud.services import auth_guard, metrics, ratelimit
@@ -76,7 +77,7 @@ class AgentFastPath:
         if handler is None or ctx is None:
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive) if scope["method"] == "POST" else b""
+        body = await read_body(receive) if scope["method"] == "POST" else b""
         try:
             credential = _credential(ctx, scope)
             scope["route"] = self._routes[scope["path"]]
@@ -84,7 +85,7 @@ class AgentFastPath:
         except Fallback:
             scope.pop("route", None)
             metrics.AGENT_FAST_PATH.labels(scope["path"], "route").inc()
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay_body(body, receive), send)
             return
         except Exception as error:  # noqa: BLE001 - the app's handlers answer it (or re-raise)
             metrics.AGENT_FAST_PATH.labels(scope["path"], "fast").inc()
@@ -157,32 +158,6 @@ def _is_json(scope: Scope) -> bool:
         if name == b"content-type":
             return bool(value.split(b";", 1)[0].strip().lower() == b"application/json")
     return False
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """The body once, as one message; then whatever the client sends (a disconnect)."""
-    sent = False
-
-    async def replayed() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replayed
 
 
 async def _handled(scope: Scope, receive: Receive, send: Send, error: Exception) -> None:

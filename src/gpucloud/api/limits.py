@@ -69,7 +69,7 @@ class BodyLimitMiddleware:
         if (scope["method"] in _JSON_METHODS and _is_json(scope)
                 and scope["path"] not in CHECKED_BY_ROUTE):
             try:
-                body = await _read_body(receive)
+                body = await read_body(receive)
             except HTTPException as error:
                 await _send_error(send, error.status_code, str(error.detail))
                 return
@@ -77,7 +77,7 @@ class BodyLimitMiddleware:
             if problem is not None:
                 await _send_error(send, 422, problem[1], problem[0])
                 return
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
         await self.app(scope, receive, send)
 
 
@@ -126,7 +126,8 @@ def _is_json(scope: Scope) -> bool:
     return False
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def read_body(receive: Receive) -> bytes:
+    """The whole request body, from its ASGI messages (also api/agent_fast.py)."""
     chunks = []
     while True:
         message = await receive()
@@ -138,7 +139,7 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(chunks)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """The body once, as one message; then whatever the client sends (a disconnect)."""
     sent = False
 
