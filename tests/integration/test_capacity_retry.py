@@ -62,3 +62,27 @@ def test_a_mark_on_another_replica_reaches_this_one(postgres_url: str) -> None:
         assert marked
     finally:
         bridge.stop()
+
+
+@pytest.mark.postgres
+def test_a_replicas_own_mark_does_not_come_back_to_it(postgres_url: str) -> None:
+    """Its listener hears its own NOTIFY: read as news, that echo would mark it again
+    after its pass took the mark, and the next pass would retry every unschedulable pod
+    once more (and an idle pass would not be idle)."""
+    bridge = notify.NotifyBridge(postgres_url, TtlCache())
+    with psycopg.connect(notify._dsn(postgres_url), autocommit=True) as listener:
+        listener.execute(f"LISTEN {notify.CHANNEL}")
+        bridge.start()
+        try:
+            capacity.CAPACITY.mark()
+            sent = next(item for note in listener.notifies(timeout=10.0)
+                        for item in note.payload.split()
+                        if item.startswith(notify.CAPACITY))
+        finally:
+            bridge.stop()
+    assert sent == notify.CAPACITY + bridge.origin
+    capacity.CAPACITY.take()
+    bridge._receive(sent)
+    assert not capacity.CAPACITY.take()
+    bridge._receive(notify.CAPACITY + "another")
+    assert capacity.CAPACITY.take()

@@ -46,8 +46,10 @@ LOGS = "l:"
 #: ``f:<origin>:<pod id>``: replica ``origin`` waits on the pod's log (``wakeups.LOGS
 #: .follow``); the others publish its chunks for a while.
 FOLLOW = "f:"
-#: Capacity appeared on another replica (services/capacity.py): the leader's next pass
-#: looks at unschedulable pods again.
+#: ``u:<origin>``: capacity appeared on replica ``origin`` (services/capacity.py): the
+#: leader's next pass looks at unschedulable pods again. Its own mark is not news to the
+#: replica that sent it: coming back after its pass took the mark, it would cost an
+#: extra retry of every unschedulable pod.
 CAPACITY = "u:"
 #: ``h:<origin>``: a replica began listening, and knows no one's follows: the others
 #: announce theirs again at their next follow.
@@ -83,7 +85,7 @@ class NotifyBridge:
         wakeups.LOGS.announcer = lambda key: self._outbox.put(
             f"{FOLLOW}{self.origin}:{key}")
         serverless_queue.WAKEUPS.publisher = lambda key: self._outbox.put(SERVERLESS + key)
-        capacity.CAPACITY.publisher = lambda: self._outbox.put(CAPACITY)
+        capacity.CAPACITY.publisher = lambda: self._outbox.put(CAPACITY + self.origin)
         self.cache.publisher = lambda: self._outbox.put(CACHE)
         self.cache.key_publisher = lambda key: self._outbox.put(CACHE_KEY + key)
         for thread in self._threads:
@@ -164,8 +166,9 @@ class NotifyBridge:
         for item in payload.split():
             if item == CACHE:
                 self.cache.clear_local()
-            elif item == CAPACITY:
-                capacity.CAPACITY.mark_local()
+            elif item.startswith(CAPACITY):
+                if item[len(CAPACITY):] != self.origin:
+                    capacity.CAPACITY.mark_local()
             elif item.startswith(CACHE_KEY):
                 self.cache.forget_local(item[len(CACHE_KEY):])
             elif item.startswith(ASSIGNMENTS):
