@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -47,7 +48,7 @@ def enforce(ctx: ServiceContext) -> list[str]:
     now = ctx.clock.now()
     with ctx.db.read() as session:
         connection = session.connection()
-        pods = [row.tuple() for row in connection.execute(_RUNNING_PODS)]
+        pods = [cast(_Candidate, tuple(row)) for row in connection.execute(_RUNNING_PODS)]
         jobs = [job_id for (job_id,) in connection.execute(_RUNNING_JOBS)]
     return [*_stop_pods(ctx, now, pods), *_stop_jobs(ctx, now, jobs)]
 
