@@ -82,6 +82,9 @@ def live_target(home: Path, database_url: str) -> Iterator[Target]:
                 "join_token": join.json()["token"], "name": "fuzz-node", "cpu_cores": 16,
                 "memory_bytes": 64 * 1024**3, "gpus": []})
             node.raise_for_status()
+            # The document is built on first use (seconds of CPU at NICE, on a busy
+            # machine): built here, schemathesis' loader (10 s timeout) reads a cached one.
+            client.get("/openapi.json", timeout=300).raise_for_status()
         yield Target(url, ADMIN_KEY, project.json()["key"]["key"], node.json()["node_token"])
 
 

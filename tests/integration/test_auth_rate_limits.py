@@ -39,8 +39,12 @@ def limited_app(settings: Settings, clock: ManualClock) -> Iterator[TestClient]:
 
 
 def _client(app: TestClient, address: str) -> TestClient:
-    """A client whose TCP peer is ``address`` (the ASGI scope's client)."""
-    return TestClient(app.app, client=(address, 40000))  # no `with`: no second lifespan
+    """A client whose TCP peer is ``address`` (the ASGI scope's client). No ``with`` (no
+    second lifespan): it sends on ``app``'s event loop, as a server's requests share one,
+    instead of starting a thread and a loop for each request."""
+    client = TestClient(app.app, client=(address, 40000))
+    client.portal = app.portal
+    return client
 
 
 def _from(app: TestClient, address: str, key: str) -> httpx.Response:
@@ -89,22 +93,35 @@ def test_a_key_spinning_on_401_does_not_lock_out_its_neighbours(
     limited_app.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
     node = register_node("n1")
     fresh = limited_app.post("/v1/keys", json={"name": "fresh"}).json()["key"]
-    host = _client(limited_app, "10.0.0.1")
-    agent = {"Authorization": f"Bearer {node['node_token']}"}
-    renewal = {"fencing_token": node["fencing_token"]}
-    assert host.post("/v1/agent/lease", headers=agent, json=renewal).status_code == 200
-    codes = []
-    for _ in range(120):  # ten minutes of a spinner, at many tries a second
-        codes += [_from(limited_app, "10.0.0.1", "gpc_revoked-key-spins").status_code
-                  for _ in range(20)]
-        assert host.post("/v1/agent/lease", headers=agent, json=renewal).status_code == 200
-        assert host.get("/v1/agent/assignments", headers=agent).status_code == 200
-        clock.advance(5)  # the agent renews within its 10 s lease
+    assert limited_app.portal is not None
+    codes = limited_app.portal.call(_spin, limited_app, clock, node)
     assert codes[:BURST] == [401] * BURST and codes[BURST] == 429
     assert codes.count(401) == BURST + 59  # one more every 10 s: its own bucket's rate
     # the address's wider bucket was never emptied: a key new to it is checked as usual
     assert _from(limited_app, "10.0.0.1", fresh).status_code == 200
     assert _from(limited_app, "10.0.0.1", "gpc_a-new-wrong-key").status_code == 401
+
+
+async def _spin(app: TestClient, clock: ManualClock, node: dict[str, Any]) -> list[int]:
+    """Ten minutes of the spinner at 10.0.0.1, at many tries a second, beside its agent's
+    calls; the spinner's statuses. Sent on the app's own event loop (2,640 requests: a
+    TestClient request from the test's thread costs several thread hand-offs each)."""
+    transport = httpx.ASGITransport(app.app, client=("10.0.0.1", 40000))
+    spinner = {"Authorization": "Bearer gpc_revoked-key-spins"}
+    agent = {"Authorization": f"Bearer {node['node_token']}"}
+    renewal = {"fencing_token": node["fencing_token"]}
+    codes: list[int] = []
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as host:
+        assert (await host.post("/v1/agent/lease", headers=agent,
+                                json=renewal)).status_code == 200
+        for _ in range(120):
+            codes += [(await host.get("/v1/pods", headers=spinner)).status_code
+                      for _ in range(20)]
+            assert (await host.post("/v1/agent/lease", headers=agent,
+                                    json=renewal)).status_code == 200
+            assert (await host.get("/v1/agent/assignments", headers=agent)).status_code == 200
+            clock.advance(5)  # the agent renews within its 10 s lease
+    return codes
 
 
 def test_many_keys_from_one_address_are_still_limited(

@@ -39,8 +39,15 @@ CLIENT = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture
-def settings(settings: Settings) -> Settings:
-    return dataclasses.replace(settings, serverless_long_poll_seconds=0.3)
+def long_poll_seconds() -> float:
+    """How long ``job-take``/``job-stop`` wait for work; a test that polls many times and
+    never expects work parametrizes it shorter."""
+    return 0.3
+
+
+@pytest.fixture
+def settings(settings: Settings, long_poll_seconds: float) -> Settings:
+    return dataclasses.replace(settings, serverless_long_poll_seconds=long_poll_seconds)
 
 
 def create(api: TestClient, **body: Any) -> dict[str, Any]:
@@ -232,6 +239,8 @@ def test_auth_and_unknowns(api: TestClient, app_ctx: ServiceContext) -> None:
     assert api.get(take, headers=worker.headers).status_code in (401, 404)
 
 
+# 25 rounds of job-take and job-stop, each answered 204 when its long poll ends
+@pytest.mark.parametrize("long_poll_seconds", [0.01])
 def test_a_deleted_workers_revoked_key_polls_as_that_worker_and_locks_out_no_one(
         api: TestClient, app_ctx: ServiceContext) -> None:
     """The autoscaler deletes an ended worker and revokes its key while its container may
