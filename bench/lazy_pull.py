@@ -185,9 +185,11 @@ def _random_bytes(size: int, seed: int = 7) -> bytes:
 def push_estargz(registry: str, src: str, dst: str, work: Workload, chunk_size: int) -> None:
     """The eStargz form via the project's converter (what `gpucloud image optimize` runs),
     large files cut into ``chunk_size`` chunks (the smallest verifiable fetch unit)."""
-    # The files the start reads whole (a recording of the imports); the weights file,
-    # read in part, is left to on-demand reads (a recording would place it whole).
-    prefetch = tuple(work.read_files)
+    # The files the start reads whole, in the order a recording (`image optimize
+    # --record`, which sees exec'd binaries too) lists them: the shell that runs the
+    # script, the script and its list, the imports. The weights file, read in part, is
+    # left to on-demand reads (a recording would place it whole).
+    prefetch = ("/bin/busybox", "/app/start.sh", "/app/startup.list", *work.read_files)
     with RegistryClient() as client:
         optimize(f"{registry}/{src}", f"{registry}/{dst}",
                  OptimizeOptions(level=1, chunk_size=chunk_size, prefetch=prefetch), client)

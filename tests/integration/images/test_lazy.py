@@ -102,7 +102,10 @@ def test_lazy_mount_serves_every_file_verified(registry: Registry, tmp_path: Pat
     assert hashes["data/hard"] == hashes["data/small.py"]
     assert hashes["data/link"] == "link:small.py"
     assert os.stat(mnt / "data/hard").st_ino == os.stat(mnt / "data/small.py").st_ino
-    assert os.stat(mnt / "data/small.py").st_nlink == 2
+    small = os.stat(mnt / "data/small.py")  # the struct stat copied whole (stat_image)
+    assert small.st_nlink == 2 and small.st_size == len("print('x')\n" * 200)
+    assert small.st_mtime_ns == 1_700_000_000 * 10**9  # images.testing's entry mtime
+    assert small.st_blocks == (small.st_size + 511) // 512
     assert oct(os.stat(mnt / "opt").st_mode & 0o7777) == "0o700"
     gone = os.lstat(mnt / "gone")  # whiteout in overlayfs form: char device 0:0
     assert (gone.st_mode & 0o170000) == 0o020000 and gone.st_rdev == 0

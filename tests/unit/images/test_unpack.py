@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,26 @@ def test_overlay_format_writes_kernel_whiteouts(tmp_path: Path) -> None:
     assert stat.S_ISCHR(mode.st_mode) and mode.st_rdev == os.makedev(0, 0)
     assert os.getxattr(tmp_path / "dir", "trusted.overlay.opaque") == b"y"
     assert (tmp_path / "dir/new").read_text() == "1"
+
+
+def test_a_directory_replaced_by_a_symlink_mid_layer_redirects_later_entries(
+    tmp_path: Path,
+) -> None:
+    """Parent directories are resolved once and remembered: an entry that replaces one
+    with a symlink must make later entries under it follow the link (chroot semantics)."""
+    stream = io.BytesIO()
+    with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        def add(name: str, kind: bytes, data: bytes = b"", link: str = "") -> None:
+            info = tarfile.TarInfo(name)
+            info.type, info.size, info.linkname, info.mode = kind, len(data), link, 0o755
+            tar.addfile(info, io.BytesIO(data))
+
+        add("a", tarfile.DIRTYPE)
+        add("a/x", tarfile.REGTYPE, b"first")
+        add("b", tarfile.DIRTYPE)
+        add("a", tarfile.SYMTYPE, link="/b")
+        add("a/y", tarfile.REGTYPE, b"second")
+    dest = tmp_path / "root"
+    dest.mkdir()
+    unpack_stream(io.BytesIO(stream.getvalue()), dest, Whiteouts.OVERLAY)
+    assert tree(dest) == {"a": "-> /b", "b": "dir", "b/y": "second"}
