@@ -812,6 +812,17 @@ def _run_ingest_only(url: str, database_url: str, args: Any) -> dict[str, Any]:
     }
 
 
+def _ingest_pass(agents: Agents, database_url: str, batches: int, args: Any
+                 ) -> dict[str, Any]:
+    """One pass of ingest alone (batches encoded before), with its CPU seconds by class
+    (as ``--ingest-only`` reports them, for the CPU per sample)."""
+    cpu = CpuSeconds(database_url)
+    cpu.start()
+    result: dict[str, Any] = agents.call("ingest", batches, args.per_pod, args.clients)
+    result["cpu_seconds"] = cpu.stop()
+    return result
+
+
 def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
     nodes, agents = setup(url, args.nodes, args.pods)
     waits = Waits(database_url)
@@ -823,7 +834,7 @@ def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
         batches = max(1, args.samples // (pods * args.per_pod))
         _warm_up(agents, args)
         agents.call("encode", batches, args.per_pod, 0)
-        ingest_alone = agents.call("ingest", batches, args.per_pod, args.clients)
+        ingest_alone = _ingest_pass(agents, database_url, batches, args)
         time.sleep(SETTLE_SECONDS)
         for index in range(args.rounds):
             with waits.sampled("create_alone"):
@@ -838,7 +849,7 @@ def _run(url: str, database_url: str, args: Any) -> dict[str, Any]:
         # new sequence numbers (the rounds' feeds use 10,000,000 × round): resent ones
         # would be acknowledged as duplicates, which measures nothing
         agents.call("encode", batches, args.per_pod, 10_000_000 * (args.rounds + 1))
-        ingest_alone_end = agents.call("ingest", batches, args.per_pod, args.clients)
+        ingest_alone_end = _ingest_pass(agents, database_url, batches, args)
         sent, lease_failures = agents.call("sent"), agents.call("failures")
         seen = waits.report()
     finally:

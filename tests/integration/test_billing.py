@@ -20,7 +20,7 @@ from gpucloud.services import meter
 from gpucloud.services.context import ServiceContext
 from gpucloud.services.spend import enforce_credit
 from tests.conftest import ADMIN_KEY
-from tests.integration.conftest import agent_headers
+from tests.integration.conftest import agent_headers, h100_gpus
 
 Register = Callable[..., dict[str, Any]]
 
@@ -97,6 +97,38 @@ def test_a_pod_is_billed_per_second_at_the_catalog_price(
     assert Decimal(invoice["total"]) == Decimal("0.02") == Decimal(invoice["charges"])
     empty = api.get("/v1/invoices/admin", params={"month": "2025-12"}).json()
     assert empty["lines"] == [] and Decimal(empty["total"]) == 0
+
+
+def test_a_run_is_priced_at_the_gpus_it_was_given(
+        api: TestClient, register_node: Register, schedule: Callable[[], Any],
+        clock: ManualClock) -> None:
+    """A pod that names no model pays for the node's (not $0: no model); a MIG pod pays
+    its profile's price, not a whole GPU's."""
+    gpus = h100_gpus(2)
+    gpus[1].update(mig_capable=True, mig_mode=True)
+    reg = register_node("gpu-1", gpus=gpus)
+    api.post("/v1/prices", json={"model": "H100-80GB", "price": "3.60"})
+    assert api.post("/v1/prices", json={"model": "H100-80GB", "mig_profile": "1g.10gb",
+                                        "price": "0.72"}).status_code == 201
+    ids = []
+    for name, spec in (("any", {"gpus": 1}), ("slice", {"mig": "1g.10gb"})):
+        created = api.post("/v1/pods", json={"name": name, "image": "busybox", **spec})
+        assert created.status_code == 201, created.text
+        ids.append(created.json()["id"])
+    schedule()
+    for pod_id in ids:
+        _status(api, reg, pod_id, "Running")
+    clock.advance(100)
+    for pod_id in ids:
+        _status(api, reg, pod_id, "Succeeded", exit_code=0)
+    rows = {r["pod"]: r for r in api.get("/v1/usage", params={"by": "pod"}).json()["rows"]}
+    assert Decimal(rows["any"]["cost"]) == Decimal("0.1")  # 100 s × $3.60/h
+    assert Decimal(rows["slice"]["cost"]) == Decimal("0.02")  # 100 s × $0.72/h
+    by_type = api.get("/v1/usage", params={"by": "gpu-type"}).json()["rows"]
+    assert [r["key"] for r in by_type] == ["H100-80GB"]
+    lines = api.get("/v1/invoices/admin", params={"month": "2026-01"}).json()["lines"]
+    assert sorted(line["description"] for line in lines) == [
+        "GPU H100-80GB MIG 1g.10gb, on-demand", "GPU H100-80GB, on-demand"]
 
 
 def test_price_versions_split_a_run_and_invoices_total_exactly(

@@ -10,6 +10,10 @@ are ``ended_at - started_at``, decided by these transitions, never by sample cou
   (``nodes.lease_renewed_at``), not when the loss was noticed;
 * an attempt ended by a GPU hardware fault (reason in ``core.usage.CREDITED_REASONS``)
   is marked ``credited``.
+
+The run's GPU model is the model of the GPUs the attempt was given (the node's, in its
+catalog name), not only the one the pod asked for: a pod that names none would otherwise
+be priced at no model, i.e. $0. A MIG pod's run keeps its profile (priced per profile).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
+from gpucloud.core.gpu_models import canonical_name
 from gpucloud.core.phases import PodPhase
 from gpucloud.core.usage import CREDITED_REASONS
 from gpucloud.db.models import NodeModel, PodModel, PodRunModel
@@ -39,11 +44,22 @@ def open_run(session: Session, pod: PodModel, now: datetime) -> None:
     milli = sum(pod.gpu_milli.values()) if pod.gpu_milli else 0
     session.add(PodRunModel(
         pod_id=pod.id, attempt=pod.attempt, project_id=pod.project_id, job_id=pod.job_id,
-        node_id=pod.node_id, gpu_type=pod.gpu_type, gpus=float(pod.gpus),
-        gpu_milli=milli if milli else round(pod.gpus * 1000), mig_profile=None,
+        node_id=pod.node_id, gpu_type=_model_given(session, pod), gpus=float(pod.gpus),
+        gpu_milli=milli if milli else round(pod.gpus * 1000), mig_profile=pod.mig_profile,
         cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes,
         volume_bytes=pod.volume_bytes or 0, priority_class=pod.priority_class,
         spot=bool(pod.spot), started_at=now, ended_at=None, end_reason=None, credited=False))
+
+
+def _model_given(session: Session, pod: PodModel) -> str | None:
+    """The catalog name of the model of the pod's first GPU on its node, else the model
+    the pod asked for (None: a CPU-only pod, or a node that reports no model)."""
+    if pod.node_id and pod.gpu_uuids:
+        node = session.get(NodeModel, pod.node_id)
+        for gpu in node.gpus if node is not None else []:
+            if gpu.get("uuid") == pod.gpu_uuids[0] and gpu.get("model"):
+                return canonical_name(str(gpu["model"]))
+    return pod.gpu_type
 
 
 def close_run(session: Session, pod: PodModel, now: datetime, reason: str,
