@@ -4,7 +4,9 @@ The server is the real app under uvicorn on a loopback port (``tests.fixtures.se
 with its controllers running, on SQLite or PostgreSQL. The fuzzer reads the server's own
 ``/openapi.json`` and authenticates through the document's security schemes: ``ApiKey``
 (an admin key, or a project key) and ``NodeToken`` (a node registered here), so every
-route, the agent protocol included, is reached with credentials that work.
+route, the agent protocol included, is reached with credentials that work. The node's lease
+is kept alive through the run (``LeaseKeeper``), so the agent routes meet a live node, not a
+lost one, after the lease's TTL.
 
 Used by ``tests/fuzz/test_schemathesis.py`` (fixed seeds, bounded examples) and by
 ``bench/fuzz.py`` (a longer random run).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import traceback
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -53,6 +56,8 @@ class Target:
     admin_key: str
     project_key: str
     node_token: str
+    #: what renews the node's lease meanwhile, and what it was answered
+    lease: LeaseKeeper
 
     def key(self, who: str) -> str:
         """The API key of ``who``: ``admin`` or ``project``."""
@@ -82,10 +87,83 @@ def live_target(home: Path, database_url: str) -> Iterator[Target]:
                 "join_token": join.json()["token"], "name": "fuzz-node", "cpu_cores": 16,
                 "memory_bytes": 64 * 1024**3, "gpus": []})
             node.raise_for_status()
-            # The document is built on first use (seconds of CPU at NICE, on a busy
-            # machine): built here, schemathesis' loader (10 s timeout) reads a cached one.
-            client.get("/openapi.json", timeout=300).raise_for_status()
-        yield Target(url, ADMIN_KEY, project.json()["key"]["key"], node.json()["node_token"])
+            grant = node.json()
+            keeping = LeaseKeeper.running(url, grant["node_token"], grant["fencing_token"],
+                                          grant["lease_ttl_seconds"])
+            with keeping as keeper:
+                # The document is built on first use (seconds of CPU at NICE, on a busy
+                # machine): built here, schemathesis' loader (10 s timeout) reads a cached
+                # one.
+                client.get("/openapi.json", timeout=300).raise_for_status()
+                yield Target(url, ADMIN_KEY, project.json()["key"]["key"],
+                             grant["node_token"], keeper)
+
+
+class LeaseKeeper:
+    """Renews the fuzz node's lease as its agent would (``POST /v1/agent/lease`` with the
+    node token, every third of the TTL the server grants), so that the node stays Ready
+    while the fuzzer works on the agent routes.
+
+    The fuzzer renews too, with fencing tokens of its own (``null`` takes a new grant, the
+    keeper's token then is stale: a 409, answered by asking for a new grant as an agent
+    does) and it may cordon or drain the node; whatever the keeper is answered is counted in
+    ``answers`` and it goes on: it never fails the run. ``lapses`` counts the renewals that
+    found the lease lapsed (a new grant for the current token): the node was Lost."""
+
+    def __init__(self, url: str, node_token: str, fencing_token: int, ttl: float) -> None:
+        self._client = httpx.Client(base_url=url, timeout=ttl,
+                                    headers={"Authorization": f"Bearer {node_token}"})
+        self._ttl = ttl
+        self._fencing: int | None = fencing_token
+        self._stop = threading.Event()
+        self.answers: Counter[str] = Counter()
+        self.lapses = 0
+
+    @classmethod
+    @contextmanager
+    def running(cls, url: str, node_token: str, fencing_token: int,
+                ttl: float) -> Iterator[LeaseKeeper]:
+        """A keeper of the grant ``fencing_token``, renewing on a thread of its own until
+        the block ends."""
+        keeper = cls(url, node_token, fencing_token, ttl)
+        thread = threading.Thread(target=keeper._run, name="fuzz-lease", daemon=True)
+        thread.start()
+        try:
+            yield keeper
+        finally:
+            keeper._stop.set()
+            thread.join(timeout=keeper._ttl + 5)
+            keeper._client.close()
+
+    def summary(self) -> str:
+        answers = ", ".join(f"{key} {count}" for key, count in sorted(self.answers.items()))
+        return f"lease renewals: {answers or 'none'}; lapses {self.lapses}"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._ttl / 3):
+            self.renew()
+
+    def renew(self) -> None:
+        """One renewal (a new grant after a 409: the fuzzer took one); never raises."""
+        sent = self._fencing
+        try:
+            answer = self._client.post("/v1/agent/lease", json={"fencing_token": sent})
+            if answer.status_code == 409:
+                self.answers["409"] += 1
+                sent = None
+                answer = self._client.post("/v1/agent/lease", json={"fencing_token": None})
+        except httpx.HTTPError as error:
+            self.answers[type(error).__name__] += 1
+            return
+        if answer.status_code != 200:
+            self.answers[str(answer.status_code)] += 1
+            return
+        body = answer.json()
+        self.answers["200 new grant" if body["new_grant"] else "200"] += 1
+        if body["new_grant"] and sent is not None:
+            self.lapses += 1
+        self._fencing = body["fencing_token"]
+        self._ttl = body["lease_ttl_seconds"]
 
 
 @dataclass
@@ -97,6 +175,11 @@ class Report:
     failures: Counter[str] = field(default_factory=Counter)
     details: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: the fuzz node at the end of the run (``status``, cordoned or not) and its lease's
+    #: renewals (``LeaseKeeper``)
+    node: str = ""
+    lease: str = ""
+    lease_lapses: int = 0
     _seen: set[tuple[str, str, str]] = field(default_factory=set)
 
     def add_failure(self, check: str, label: str, title: str, sample: str) -> None:
@@ -159,8 +242,21 @@ def fuzz_as(who: str, home: Path, database_url: str, *, seed: int | None,
             max_examples: int) -> Report:
     """One key's run (every phase) on a server of its own, on ``database_url``."""
     with live_target(home, database_url) as target:
-        return run(target, config(target, target.key(who), seed=seed,
-                                  max_examples=max_examples))
+        report = run(target, config(target, target.key(who), seed=seed,
+                                    max_examples=max_examples))
+        report.node = _node_state(target)
+        report.lease, report.lease_lapses = target.lease.summary(), target.lease.lapses
+        return report
+
+
+def _node_state(target: Target) -> str:
+    """The fuzz node's status now, as the admin reads it (``Ready``, ``Lost``...)."""
+    answer = httpx.get(f"{target.url}/v1/nodes/fuzz-node", timeout=30,
+                       headers={"Authorization": f"Bearer {target.admin_key}"})
+    if answer.status_code != 200:
+        return f"unreadable ({answer.status_code})"
+    node = answer.json()
+    return str(node["status"]) + (", cordoned" if node["cordoned"] else "")
 
 
 def run_keys_at_once(jobs: Mapping[str, tuple[Path, str]], *, seed: int | None,

@@ -103,11 +103,15 @@ def test_every_route_holds_under_schemathesis(fuzz_databases: dict[str, str],
         seed=SEED, max_examples=MAX_EXAMPLES)
     for who, report in reports.items():
         print(f"{backend} {who}: {report.summary()}")
+        print(f"fuzz-node at the end: {report.node}; {report.lease}")
         # An operation the engine could not test (a generator error) is printed.
         print("\n".join(report.errors))
     for who, report in reports.items():
         assert report.operations >= 50, report.summary()
         assert report.cases > 20 * report.operations, report.summary()
         assert not any(line.startswith("fatal") for line in report.errors), report.errors
+        # the agent routes met a live node all along (harness.LeaseKeeper)
+        assert report.lease_lapses == 0 and not report.node.startswith("Lost"), (
+            f"{who}: fuzz-node {report.node}; {report.lease}")
         unexpected = _unexpected(report)
         assert not unexpected, f"{who}: {report.summary()}\n" + "\n".join(unexpected)
