@@ -44,6 +44,17 @@ Whether a node really mounted it lazily is checked (FUSE mounts under its state
 directory); when not, the lazy figures are reported as not measured, with the reason,
 never as a result.
 
+Building both forms (random weights, gzip, the conversion) takes minutes at full size, so
+they are kept as OCI layouts in an image cache (``--image-cache``, default
+``/var/tmp/gpucloud-lazybench-images``), one directory per recipe key: a digest of the
+sizes, the file mix's names and contents, the weights' seed, the converter's options and
+source, Python's and zlib's versions and ``RECIPE_VERSION``. ``--prepare-only`` builds the
+entry (if it is not there) and exits; a measured run reuses a matching entry (or builds it
+first), then pushes both layouts into the fresh registry it starts, so what is measured is
+unchanged: a cold registry, a cold node, an empty chunk cache. Whether the image came from
+the cache, and its key, are printed and written (``image_source``).
+
+    .venv/bin/python bench/lazy_pull.py [--quick] --prepare-only
     .venv/bin/python bench/lazy_pull.py [--quick] [--runs 5] [--rtt-ms 2 20]
 
 Needs root, runc, busybox-static, docker-registry, iproute2 with ``tbf``. Writes
@@ -55,17 +66,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import multiprocessing
 import os
+import platform
 import random
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
@@ -83,7 +98,12 @@ from gpucloud.images.client import RegistryClient  # noqa: E402
 from gpucloud.images.lazy import trace  # noqa: E402
 from gpucloud.images.lazy.client import LazyfsClient  # noqa: E402
 from gpucloud.images.lazy.optimize import OptimizeOptions, optimize  # noqa: E402
-from gpucloud.images.testing import build_image, busybox_files, make_layer  # noqa: E402
+from gpucloud.images.testing import (  # noqa: E402
+    Entry,
+    build_image,
+    busybox_files,
+    make_layer,
+)
 
 RESULTS = ROOT / "bench" / "results" / "lazy_pull.json"
 PYTHON = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -98,6 +118,16 @@ HOST_IP, NS_IP, REGISTRY_PORT = "10.231.77.1", "10.231.77.2", 5000
 RATE = "1gbit"
 RELAY_CHUNK = 256 * 1024
 RELAY_QUEUE_BYTES = 32 * MiB
+CMD = ("sh", "/app/start.sh")
+WEIGHTS_SEED = 7
+CONVERT_LEVEL = 1
+IMAGE_CACHE = Path("/var/tmp/gpucloud-lazybench-images")
+#: Bump when the bench changes the image in a way ``image_recipe`` does not see.
+RECIPE_VERSION = 1
+#: The project's code that shapes the image's bytes (layer writer, converter).
+IMAGE_CODE = ("gpucloud/images/testing.py", "gpucloud/images/lazy/optimize.py",
+              "gpucloud/images/lazy/estargz.py", "gpucloud/images/lazy/toc.py",
+              "gpucloud/images/lazy/footer.py")
 
 
 # -- the image ---------------------------------------------------------------------------
@@ -163,18 +193,23 @@ def start_script(work: Workload) -> str:
     )
 
 
-def push_image(registry: str, work: Workload, reference: str) -> str:
-    """Push the ordinary (gzip) form; the weights layer's digest."""
+def app_files(work: Workload) -> dict[str, bytes | str]:
+    """The tree layer: the tree, the start script and its read list."""
     app: dict[str, bytes | str] = dict(work.tree)
     app["app/start.sh"] = start_script(work)
     app["app/startup.list"] = "".join(f"{name}\n" for name in work.read_files)
-    layers = [make_layer(busybox_files()), make_layer(app),
-              make_layer({WEIGHTS: _random_bytes(work.weights_bytes)})]
-    build_image(layers, cmd=["sh", "/app/start.sh"]).push(registry, reference)
-    return layers[-1].digest
+    return app
 
 
-def _random_bytes(size: int, seed: int = 7) -> bytes:
+def prefetch_list(work: Workload) -> tuple[str, ...]:
+    """The files the start reads whole, in the order a recording (`image optimize
+    --record`, which sees exec'd binaries too) lists them: the shell that runs the script,
+    the script and its list, the imports. The weights file, read in part, is left to
+    on-demand reads (a recording would place it whole)."""
+    return ("/bin/busybox", "/app/start.sh", "/app/startup.list", *work.read_files)
+
+
+def _random_bytes(size: int, seed: int = WEIGHTS_SEED) -> bytes:
     """``size`` incompressible bytes, made in 64 MiB pieces (``randbytes`` of more than
     256 MiB overflows: it asks ``getrandbits`` for over 2**31 bits)."""
     rng = random.Random(seed)
@@ -182,17 +217,133 @@ def _random_bytes(size: int, seed: int = 7) -> bytes:
     return b"".join(rng.randbytes(min(piece, size - at)) for at in range(0, size, piece))
 
 
-def push_estargz(registry: str, src: str, dst: str, work: Workload, chunk_size: int) -> None:
-    """The eStargz form via the project's converter (what `gpucloud image optimize` runs),
-    large files cut into ``chunk_size`` chunks (the smallest verifiable fetch unit)."""
-    # The files the start reads whole, in the order a recording (`image optimize
-    # --record`, which sees exec'd binaries too) lists them: the shell that runs the
-    # script, the script and its list, the imports. The weights file, read in part, is
-    # left to on-demand reads (a recording would place it whole).
-    prefetch = ("/bin/busybox", "/app/start.sh", "/app/startup.list", *work.read_files)
+# -- the image cache: both forms as OCI layouts, keyed by their recipe -------------------
+
+
+def _files_digest(files: Mapping[str, bytes | str | Entry]) -> str:
+    """sha256 over names and contents (an ``Entry``: its repr, data included)."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        value = files[name]
+        data = value.encode() if isinstance(value, str) else (
+            value if isinstance(value, bytes) else repr(value).encode())
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def image_recipe(work: Workload, chunk_size: int) -> dict[str, Any]:
+    """Everything the two forms' bytes follow from: sizes, the file mix (contents hashed),
+    the weights' seed, the converter's options and code, and the bench's recipe version."""
+    code = hashlib.sha256()
+    for module in IMAGE_CODE:
+        code.update((ROOT / "src" / module).read_bytes())
+    return {"version": RECIPE_VERSION, "total_bytes": work.total_bytes,
+            "base_digest": _files_digest(busybox_files()),
+            "app_files": len(work.tree) + 2, "app_digest": _files_digest(app_files(work)),
+            "weights_bytes": work.weights_bytes, "weights_seed": WEIGHTS_SEED,
+            "cmd": list(CMD), "prefetch_digest": _files_digest(
+                {str(i): name for i, name in enumerate(prefetch_list(work))}),
+            "estargz": {"level": CONVERT_LEVEL, "chunk_size": chunk_size},
+            "code_digest": code.hexdigest(), "python": platform.python_version(),
+            "zlib": zlib.ZLIB_RUNTIME_VERSION, "machine": platform.machine()}
+
+
+def recipe_key(recipe: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """Both forms as OCI layouts under ``root`` (``full/``, ``esgz/``)."""
+
+    root: Path
+    key: str
+    from_cache: bool
+    #: The full form's weights layer (the link's proof fetches it).
+    weights_digest: str
+    #: When it was built, and what building and converting took then.
+    meta: dict[str, Any]
+
+
+def prepare_image(cache: Path, work: Workload, chunk_size: int) -> PreparedImage:
+    """The cache's entry for this recipe, built first when there is none. An entry is built
+    under a temporary name and renamed into place whole, its ``meta.json`` (which holds the
+    recipe) written last, so a half-built entry is never taken for one."""
+    recipe = image_recipe(work, chunk_size)
+    key = recipe_key(recipe)
+    entry = cache / key
+    meta = _entry_meta(entry, recipe)
+    if meta is not None:
+        return PreparedImage(entry, key, True, meta["weights_digest"], meta)
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = cache / f".{key}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        meta = build_layouts(partial, work, chunk_size)
+        meta.update(key=key, recipe=recipe)
+        (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        shutil.rmtree(entry, ignore_errors=True)  # an entry without valid meta: incomplete
+        partial.rename(entry)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return PreparedImage(entry, key, False, meta["weights_digest"], meta)
+
+
+def _entry_meta(entry: Path, recipe: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        meta: dict[str, Any] = json.loads((entry / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    complete = all((entry / form / "index.json").is_file() for form in ("full", "esgz"))
+    return meta if complete and meta.get("recipe") == recipe else None
+
+
+def build_layouts(root: Path, work: Workload, chunk_size: int) -> dict[str, Any]:
+    """Build the ordinary (gzip) form as an OCI layout ``root/full``, convert it with the
+    project's converter (what `gpucloud image optimize` runs) into ``root/esgz``, large
+    files cut into ``chunk_size`` chunks (the smallest verifiable fetch unit)."""
+    started = time.perf_counter()
+    layers = [make_layer(busybox_files()), make_layer(app_files(work)),
+              make_layer({WEIGHTS: _random_bytes(work.weights_bytes)})]
+    build_image(layers, cmd=CMD).write_oci_layout(root / "full")
+    built = time.perf_counter()
+    options = OptimizeOptions(level=CONVERT_LEVEL, chunk_size=chunk_size,
+                              prefetch=prefetch_list(work))
     with RegistryClient() as client:
-        optimize(f"{registry}/{src}", f"{registry}/{dst}",
-                 OptimizeOptions(level=1, chunk_size=chunk_size, prefetch=prefetch), client)
+        optimize(str(root / "full"), str(root / "esgz"), options, client)
+    return {"weights_digest": layers[-1].digest,
+            "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_seconds": round(built - started, 1),
+            "convert_seconds": round(time.perf_counter() - built, 1)}
+
+
+def push_layout(client: RegistryClient, registry: str, layout: Path, reference: str) -> None:
+    """Push the one image of an OCI layout as ``repository:tag`` (blobs streamed from their
+    files; the registry checks each one's digest, so a damaged cache fails here)."""
+    repository, tag = reference.rsplit(":", 1)
+    entry = json.loads((layout / "index.json").read_text())["manifests"][0]
+    manifest = _blob(layout, entry["digest"]).read_bytes()
+    parsed = json.loads(manifest)
+    for desc in (parsed["config"], *parsed["layers"]):
+        if not client.blob_exists(registry, repository, desc["digest"]):
+            client.upload_blob(registry, repository, _blob(layout, desc["digest"]),
+                               desc["digest"])
+    client.put_manifest(registry, repository, tag, manifest, entry["mediaType"])
+
+
+def _blob(layout: Path, digest: str) -> Path:
+    return layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
+
+
+def image_source(prepared: PreparedImage, cached: bool) -> dict[str, Any]:
+    """What the JSON says of where the image came from (``prepared``: when the entry was
+    built and what building and converting took then, in this run or an earlier one)."""
+    return {"from_cache": prepared.from_cache, "key": prepared.key,
+            "cache_dir": str(prepared.root.parent) if cached else None,
+            "prepared": {name: prepared.meta[name]
+                         for name in ("prepared_at", "build_seconds", "convert_seconds")},
+            "recipe": prepared.meta["recipe"]}
 
 
 # -- the link: a namespace, tbf, the registry and the delay relay -----------------------
@@ -583,7 +734,7 @@ def _percentile(values: list[float], q: float) -> float:
 # -- main ----------------------------------------------------------------------------------
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--quick", action="store_true", help="a ~200 MB image (< 5 min)")
     parser.add_argument("--runs", type=int, default=5, help="cold runs per form and RTT")
@@ -598,10 +749,24 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="write each run's timeline (GPUCLOUD_LAZY_TRACE) under DIR and "
                         "report its phases (images/lazy/trace.py)")
-    args = parser.parse_args()
+    parser.add_argument("--image-cache", type=Path, default=IMAGE_CACHE, metavar="DIR",
+                        help="where both forms are kept as OCI layouts, keyed by the image's "
+                        f"recipe, and reused when it matches (default {IMAGE_CACHE})")
+    parser.add_argument("--no-image-cache", action="store_true",
+                        help="build the image in this run's temporary directory, keep nothing")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="build the image into --image-cache (if not there) and exit")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     total = (args.mb or (200 if args.quick else 1100)) * 1_000_000
     chunk_size = int(args.chunk_mib * MiB)
     work = workload(total)
+    if args.prepare_only:
+        prepare_only(args.image_cache, work, chunk_size)
+        return
     result: dict[str, Any] = {
         "benchmark": "lazy_pull", "quick": args.quick,
         "image": {"total_bytes": work.total_bytes, "tree_files": len(work.tree),
@@ -615,49 +780,72 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpucloud-lazybench-", dir="/var/tmp") as tmp, \
             ExitStack() as stack:
         workdir = Path(tmp)
+        cache = workdir / "image-cache" if args.no_image_cache else args.image_cache
+        started = time.perf_counter()
+        prepared = prepare_image(cache, work, chunk_size)
+        result["image_source"] = {**image_source(prepared, not args.no_image_cache),
+                                  "prepare_seconds": round(time.perf_counter() - started, 1)}
+        print(f"image {'from the cache' if prepared.from_cache else 'built'}: key "
+              f"{prepared.key} ({prepared.root}), "
+              f"{result['image_source']['prepare_seconds']} s", file=sys.stderr)
         direct = stack.enter_context(shaped_registry(workdir / "registry"))
         relay = Relay(direct)
         stack.callback(relay.close)
         started = time.perf_counter()
-        weights_digest = push_image(relay.host, work, "bench/app:full")
+        with RegistryClient() as client:  # into this run's new (cold) registry
+            push_layout(client, relay.host, prepared.root / "full", "bench/app:full")
+            push_layout(client, relay.host, prepared.root / "esgz", "bench/app:esgz")
         result["push_seconds"] = round(time.perf_counter() - started, 1)
-        started = time.perf_counter()
-        push_estargz(relay.host, "bench/app:full", "bench/app:esgz", work, chunk_size)
-        result["convert_seconds"] = round(time.perf_counter() - started, 1)
-        result["link"] = link_proof(relay, weights_digest)
+        result["link"] = link_proof(relay, prepared.weights_digest)
         cloud = stack.enter_context(running_cloud(workdir / "cloud"))
-        forms = {"full": f"{relay.host}/bench/app:full",
-                 "lazy": f"{relay.host}/bench/app:esgz"}
-        for form, image in forms.items():
-            if form not in args.forms:
-                continue
-            for rtt in args.rtt_ms:
-                relay.set_rtt(rtt)
-                runs, reads, timelines = [], None, []
-                for number in range(args.runs):
-                    last = number == args.runs - 1 and rtt == args.rtt_ms[0]
-                    name = f"{form}-{int(rtt)}-{number}"
-                    trace_to = args.trace / f"{name}.jsonl" if args.trace else None
-                    if trace_to is not None:
-                        trace_to.parent.mkdir(parents=True, exist_ok=True)
-                        trace_to.unlink(missing_ok=True)
-                    run, measured = cold_run(cloud, relay, image, name,
-                                             work if last else None, trace_to)
-                    runs.append(run)
-                    reads = measured or reads
-                    print(f"{form} rtt {rtt} ms run {number}: {run}", file=sys.stderr)
-                    if trace_to is not None:
-                        timelines.append(trace.summarize(trace.load(str(trace_to))))
-                        print(json.dumps(timelines[-1]), file=sys.stderr)
-                result.setdefault(form, {})[f"rtt_{rtt:g}ms"] = summary(runs)
-                if timelines:
-                    result[form][f"rtt_{rtt:g}ms"]["timelines"] = timelines
-                if reads is not None:
-                    result[form]["cached_reads"] = reads
+        run_forms(args, work, cloud, relay, result)
     finish(result, work, args.rtt_ms[0])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+
+
+def prepare_only(cache: Path, work: Workload, chunk_size: int) -> None:
+    """``--prepare-only``: the cache's entry for this image, built if missing; no registry,
+    no node, nothing measured."""
+    started = time.perf_counter()
+    prepared = prepare_image(cache, work, chunk_size)
+    size = sum(path.stat().st_size for path in prepared.root.rglob("*") if path.is_file())
+    print(json.dumps({**image_source(prepared, True), "dir": str(prepared.root),
+                      "bytes": size, "seconds": round(time.perf_counter() - started, 1)},
+                     indent=2))
+
+
+def run_forms(args: argparse.Namespace, work: Workload, cloud: Cloud, relay: Relay,
+              result: dict[str, Any]) -> None:
+    """The cold runs of each form and RTT, summarized into ``result``."""
+    forms = {"full": f"{relay.host}/bench/app:full", "lazy": f"{relay.host}/bench/app:esgz"}
+    for form, image in forms.items():
+        if form not in args.forms:
+            continue
+        for rtt in args.rtt_ms:
+            relay.set_rtt(rtt)
+            runs, reads, timelines = [], None, []
+            for number in range(args.runs):
+                last = number == args.runs - 1 and rtt == args.rtt_ms[0]
+                name = f"{form}-{int(rtt)}-{number}"
+                trace_to = args.trace / f"{name}.jsonl" if args.trace else None
+                if trace_to is not None:
+                    trace_to.parent.mkdir(parents=True, exist_ok=True)
+                    trace_to.unlink(missing_ok=True)
+                run, measured = cold_run(cloud, relay, image, name,
+                                         work if last else None, trace_to)
+                runs.append(run)
+                reads = measured or reads
+                print(f"{form} rtt {rtt} ms run {number}: {run}", file=sys.stderr)
+                if trace_to is not None:
+                    timelines.append(trace.summarize(trace.load(str(trace_to))))
+                    print(json.dumps(timelines[-1]), file=sys.stderr)
+            result.setdefault(form, {})[f"rtt_{rtt:g}ms"] = summary(runs)
+            if timelines:
+                result[form][f"rtt_{rtt:g}ms"]["timelines"] = timelines
+            if reads is not None:
+                result[form]["cached_reads"] = reads
 
 
 def link_proof(relay: Relay, digest: str) -> dict[str, Any]:
