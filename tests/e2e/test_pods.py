@@ -41,7 +41,8 @@ def test_a_pod_of_a_cached_image_goes_from_scheduled_to_running(
 ) -> None:
     cloud.agent("gpu-a")
     cloud.create_pod("pulls", images.busybox, ["echo", "one"])
-    assert cloud.wait_pod("pulls", "Succeeded", "Failed").phase == "Succeeded"
+    pod = cloud.wait_pod("pulls", "Succeeded", "Failed")
+    assert pod.phase == "Succeeded", (pod.reason, pod.message)
     cloud.create_pod("cached", images.busybox, ["echo", "two"])  # in the node's store now
     assert cloud.wait_pod("cached", "Succeeded", "Failed").phase == "Succeeded"
     assert cloud.wait_log("cached", "two") == "two\n"
