@@ -36,6 +36,8 @@ import httpx
 import schemathesis
 from schemathesis.engine import Status, events
 
+from gpucloud.client.sdk import AgentClient, GpucloudClient
+from gpucloud.core.errors import Conflict, GpucloudError
 from gpucloud.core.settings import Settings
 from tests.fixtures.server import live_server
 
@@ -111,8 +113,7 @@ class LeaseKeeper:
     found the lease lapsed (a new grant for the current token): the node was Lost."""
 
     def __init__(self, url: str, node_token: str, fencing_token: int, ttl: float) -> None:
-        self._client = httpx.Client(base_url=url, timeout=ttl,
-                                    headers={"Authorization": f"Bearer {node_token}"})
+        self._client = AgentClient(url, node_token, timeout=ttl)
         self._ttl = ttl
         self._fencing: int | None = fencing_token
         self._stop = threading.Event()
@@ -144,26 +145,25 @@ class LeaseKeeper:
             self.renew()
 
     def renew(self) -> None:
-        """One renewal (a new grant after a 409: the fuzzer took one); never raises."""
+        """One renewal through the agent's own client (a new grant after a 409: the fuzzer
+        took one); never raises."""
         sent = self._fencing
         try:
-            answer = self._client.post("/v1/agent/lease", json={"fencing_token": sent})
-            if answer.status_code == 409:
+            try:
+                grant = self._client.lease(sent)
+            except Conflict:  # stale (the fuzzer took a grant): a new one
                 self.answers["409"] += 1
                 sent = None
-                answer = self._client.post("/v1/agent/lease", json={"fencing_token": None})
-        except httpx.HTTPError as error:
-            self.answers[type(error).__name__] += 1
+                grant = self._client.lease(None)
+        except GpucloudError as error:
+            status = getattr(error, "status", None)
+            self.answers[str(status) if status else type(error).__name__] += 1
             return
-        if answer.status_code != 200:
-            self.answers[str(answer.status_code)] += 1
-            return
-        body = answer.json()
-        self.answers["200 new grant" if body["new_grant"] else "200"] += 1
-        if body["new_grant"] and sent is not None:
+        self.answers["200 new grant" if grant.new_grant else "200"] += 1
+        if grant.new_grant and sent is not None:
             self.lapses += 1
-        self._fencing = body["fencing_token"]
-        self._ttl = body["lease_ttl_seconds"]
+        self._fencing = grant.fencing_token
+        self._ttl = grant.lease_ttl_seconds
 
 
 @dataclass
@@ -251,12 +251,14 @@ def fuzz_as(who: str, home: Path, database_url: str, *, seed: int | None,
 
 def _node_state(target: Target) -> str:
     """The fuzz node's status now, as the admin reads it (``Ready``, ``Lost``...)."""
-    answer = httpx.get(f"{target.url}/v1/nodes/fuzz-node", timeout=30,
-                       headers={"Authorization": f"Bearer {target.admin_key}"})
-    if answer.status_code != 200:
-        return f"unreadable ({answer.status_code})"
-    node = answer.json()
-    return str(node["status"]) + (", cordoned" if node["cordoned"] else "")
+    client = GpucloudClient(target.url, target.admin_key)
+    try:
+        node = client.get_node("fuzz-node")
+    except GpucloudError as error:
+        return f"unreadable ({error})"
+    finally:
+        client.close()
+    return str(node.status) + (", cordoned" if node.cordoned else "")
 
 
 def run_keys_at_once(jobs: Mapping[str, tuple[Path, str]], *, seed: int | None,
