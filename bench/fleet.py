@@ -62,7 +62,11 @@ sys.path.insert(0, str(ROOT))
 from bench import pyspy  # noqa: E402
 from tests.fixtures.postgres import free_port, postgres_server  # noqa: E402
 
+from gpucloud.agent.config import poll_wait  # noqa: E402
 from gpucloud.services import lease_ttl  # noqa: E402
+
+#: A simulated agent's own long-poll wait (s).
+POLL_WAIT_S = 25.0
 
 ADMIN_KEY = "gpc_fleet-bench-admin-key"
 RESULTS = ROOT / "bench" / "results"
@@ -160,6 +164,10 @@ class AgentStats:
     #: the longest lease TTL a renewal was granted (s): the server's grows with the fleet
     #: (services/lease_ttl.py), and each agent renews at a third of its latest
     ttl_max_s: float = 0.0
+    #: long polls answered, and the longest wait one was sent with (s): the server asks
+    #: a large fleet for longer ones (services/lease_ttl.py ``poll_wait``)
+    polls: int = 0
+    poll_wait_max_s: float = 0.0
 
     def record(self, seconds: float) -> None:
         bucket = int(seconds * 1000)
@@ -270,18 +278,24 @@ class SimAgent:
             due = sent + self.ttl / 3 * random.uniform(0.9, 1.0)  # the agent's jitter
 
     async def watch_loop(self) -> None:
+        """Long polls of ``POLL_WAIT_S``, or the longer wait the server asks of a large
+        fleet (``poll_wait_seconds``), as the agent's ``config.poll_wait`` takes it."""
         revision: int | None = None
         failures = 0
+        wait = POLL_WAIT_S
         while True:
-            query = "wait=25" + (f"&revision={revision}" if revision is not None else "")
+            query = f"wait={wait:g}" + (f"&revision={revision}" if revision is not None else "")
             status, out = await self.poll.request("GET", f"/v1/agent/assignments?{query}",
-                                                  self.token, timeout=40)
+                                                  self.token, timeout=wait + 15)
             if status != 200:
                 failures += 1
                 await asyncio.sleep(backoff(failures))
                 continue
             failures = 0
             revision = out["revision"]
+            wait = poll_wait(POLL_WAIT_S, out.get("poll_wait_seconds"))
+            self.stats.poll_wait_max_s = max(self.stats.poll_wait_max_s, wait)
+            self.stats.polls += 1
             for pod in out["pods"]:
                 if pod["phase"] in ("Scheduled", "Pulling") and pod["pod_id"] not in self.running:
                     await self.report(pod)
@@ -715,6 +729,9 @@ class Plan:
     #: the renewals a second the fleet may send before its TTL grows
     #: (GPUCLOUD_LEASE_RATE, services/lease_ttl.py; None: the server's default)
     lease_rate: float | None = None
+    #: the long polls a second the fleet may send before its poll wait grows
+    #: (GPUCLOUD_POLL_RATE, services/lease_ttl.py; None: the server's default)
+    poll_rate: float | None = None
 
     def expected_ttl(self) -> float:
         """The TTL the server grants this fleet once it is registered (lease_ttl.py)."""
@@ -729,6 +746,8 @@ class Plan:
             env["GPUCLOUD_LEASE_BUSY_LIMIT"] = str(self.lease_busy_s)
         if self.lease_rate is not None:
             env["GPUCLOUD_LEASE_RATE"] = str(self.lease_rate)
+        if self.poll_rate is not None:
+            env["GPUCLOUD_POLL_RATE"] = str(self.poll_rate)
         return env
 
 
@@ -1194,7 +1213,10 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "bind_chunk": plan.bind_chunk, "lease_busy_limit_s": plan.lease_busy_s,
         "server_workers_per_replica": plan.server_workers,
         "lease_ttl_s": plan.ttl, "lease_ttl_granted_s": granted_ttl,
-        "lease_rate": plan.lease_rate, "measured_s": round(elapsed, 1),
+        "lease_rate": plan.lease_rate, "poll_rate": plan.poll_rate,
+        "long_polls": sum(s.get("polls", 0) for s in stats),
+        "poll_wait_max_s": max((s.get("poll_wait_max_s", 0.0) for s in stats), default=0.0),
+        "measured_s": round(elapsed, 1),
         "register_all_s": round(registered_s, 1), "register_ramp_s": plan.ramp_s,
         "register_retries": sum(s["register_retries"] for s in stats),
         "register_error_codes": _summed(s.get("register_error_codes", {}) for s in stats),
@@ -1274,6 +1296,10 @@ def main() -> None:
                         help="renewals a second the fleet may send before the server "
                         "lengthens its lease TTL (GPUCLOUD_LEASE_RATE; default: the "
                         "server's, 1,000)")
+    parser.add_argument("--poll-rate", type=float, metavar="PER_S",
+                        help="long polls a second the fleet may send before the server "
+                        "asks for longer waits (GPUCLOUD_POLL_RATE; default: the "
+                        "server's, 200; 1000000: never)")
     parser.add_argument("--variants", metavar="V1,V2,...",
                         help="run the bench once per variant named, in this order (a "
                         "name may repeat: shared,split,shared,split), each on a fresh "
@@ -1295,7 +1321,8 @@ def main() -> None:
                 pods=args.pods or (2000 if quick else 20_000), quick=quick,
                 server_workers=args.server_workers, backlog=args.backlog,
                 profile_s=args.profile, bind_chunk=args.bind_chunk,
-                lease_busy_s=args.lease_busy_limit, lease_rate=args.lease_rate)
+                lease_busy_s=args.lease_busy_limit, lease_rate=args.lease_rate,
+                poll_rate=args.poll_rate)
     plan.ramp_s = plan.agents / 100 if args.ramp is None else args.ramp
     if args.variants:
         _run_variants(plan, args.variants.split(","))
@@ -1344,6 +1371,8 @@ def variant_plan(plan: Plan, variant: str) -> Plan:
                 out = replace(out, lease_busy_s=float(value))
             elif name == "rate" and float(value) > 0:
                 out = replace(out, lease_rate=float(value))
+            elif name == "poll" and float(value) > 0:
+                out = replace(out, poll_rate=float(value))
             else:
                 raise ValueError(knob)
         except ValueError:

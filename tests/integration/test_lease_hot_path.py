@@ -139,3 +139,53 @@ def test_a_change_from_another_replica_wakes_the_poll_through_the_batched_watch(
     with statements_sent(app_ctx.db) as sent:
         watch.check([n["node_id"] for n in nodes])
     assert len(sent) == 1  # one query for every waiting node
+
+
+def test_the_pool_keeps_the_connections_a_burst_opened(postgres_url: str) -> None:
+    """A burst of concurrent requests above the old kept size (16) and back: the next
+    burst reuses the same PostgreSQL sessions. An overflow connection was closed as it
+    was returned, so a replica hovering above the kept size forked backends all the time."""
+    db = Database(postgres_url)
+    try:
+        def burst() -> set[int]:
+            held = [db.engine.connect() for _ in range(db_session.POOL_SIZE)]
+            try:
+                return {int(c.execute(text("SELECT pg_backend_pid()")).scalar_one())
+                        for c in held}
+            finally:
+                for connection in held:
+                    connection.close()
+
+        first = burst()
+        assert len(first) == db_session.POOL_SIZE > 16
+        assert burst() == first
+    finally:
+        db.dispose()
+
+
+def test_a_waiting_poll_is_not_woken_by_the_watchers_first_look(
+    api: TestClient, app_ctx: ServiceContext, register_node: Callable[..., dict[str, Any]]
+) -> None:
+    """The poll tells the watcher the revision it read: the watcher's first look at the
+    node finds nothing moved (no wake-up, no answer built for nothing), and a change
+    after the poll's read still wakes it."""
+    node = register_node("gpu-1")
+    revision = api.get("/v1/agent/assignments", headers=agent_headers(node)).json()["revision"]
+    answers: list[dict[str, Any]] = []
+    poller = threading.Thread(target=lambda: answers.append(api.get(
+        "/v1/agent/assignments", headers=agent_headers(node),
+        params={"wait": 30, "revision": revision}).json()))
+    poller.start()
+    while wakeups.ASSIGNMENTS.listeners(node["node_id"]) == 0 and poller.is_alive():
+        threading.Event().wait(0.01)
+    watch = revision_watch.watcher(app_ctx, lambda: 60.0)
+    assert watch.check([node["node_id"]]) == []  # before: new to it, so woken
+    with app_ctx.db.transaction() as session:  # as another replica would: no wake-up here
+        session.execute(update(NodeModel).where(NodeModel.id == node["node_id"])
+                        .values(assignments_revision=NodeModel.assignments_revision + 1))
+    moved = watch.check([node["node_id"]])
+    poller.join(timeout=30)
+    assert answers and answers[0]["revision"] == revision + 1
+    assert moved in ([node["node_id"]], [])  # [] only if the watcher's thread looked first
+    fresh = revision_watch.RevisionWatcher(app_ctx, lambda: 60.0)  # one no poll told
+    assert fresh.check([node["node_id"]]) == [node["node_id"]]

@@ -1,15 +1,21 @@
 """The fleet's lease TTL (services/lease_ttl.py): the configured one for a small fleet,
 longer for one whose renewals every TTL/3 would pass ``GPUCLOUD_LEASE_RATE`` a second;
-granted on every path, and a dead node still found Lost within its own TTL."""
+granted on every path, and a dead node still found Lost within its own TTL. And its
+long-poll wait: none asked of a small fleet, a longer one (at most the route's bound) of
+one whose polls would pass ``GPUCLOUD_POLL_RATE`` a second, in every poll's answer."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from gpucloud.agent.config import MAX_POLL_WAIT_SECONDS, poll_wait
 from gpucloud.api import lease_capacity
 from gpucloud.controllers.loops import NodeLeaseController
 from gpucloud.core.clock import ManualClock
@@ -18,6 +24,7 @@ from gpucloud.db.models import NodeModel
 from gpucloud.services import join_tokens, lease_batch, lease_ttl, nodes, projects
 from gpucloud.services.context import ServiceContext
 from tests.conftest import ADMIN_KEY
+from tests.integration.conftest import agent_headers
 
 
 def test_the_ttl_grows_only_past_the_rate_and_in_whole_seconds() -> None:
@@ -27,6 +34,48 @@ def test_the_ttl_grows_only_past_the_rate_and_in_whole_seconds() -> None:
     assert lease_ttl.fleet_ttl(10.0, 10_000, 1000) == 30.0  # 1,000 renewals/s
     assert lease_ttl.fleet_ttl(60.0, 10_000, 1000) == 60.0  # a longer base stands
     assert lease_ttl.fleet_ttl(2.5, 1, 1000) == 2.5  # a short test TTL is kept as it is
+
+
+def test_the_poll_wait_grows_only_past_the_rate_and_within_the_routes_bound() -> None:
+    assert lease_ttl.fleet_poll_wait(0, 200) is None
+    assert lease_ttl.fleet_poll_wait(6000, 200) is None  # 30 s waits: 200 polls/s
+    assert lease_ttl.fleet_poll_wait(6001, 200) == 31.0  # the next whole second
+    assert lease_ttl.fleet_poll_wait(10_000, 200) == 50.0
+    assert lease_ttl.fleet_poll_wait(50_000, 200) == lease_ttl.MAX_POLL_WAIT == 60.0
+    assert lease_ttl.MAX_POLL_WAIT == MAX_POLL_WAIT_SECONDS  # the agent's bound, the same
+
+
+def test_the_agent_polls_with_the_longer_wait_within_the_bound() -> None:
+    assert poll_wait(30.0, None) == 30.0
+    assert poll_wait(0.5, None) == 0.5  # a small fleet: a test's short wait stands
+    assert poll_wait(30.0, 50.0) == 50.0
+    assert poll_wait(55.0, 40.0) == 55.0  # never shorter than its own
+    assert poll_wait(30.0, 600.0) == MAX_POLL_WAIT_SECONDS
+
+
+def _poll(api: TestClient, reg: dict[str, Any], **params: Any) -> dict[str, Any]:
+    response = api.get("/v1/agent/assignments", headers=agent_headers(reg), params=params)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def test_a_large_fleet_is_asked_for_longer_polls_in_every_answer(
+    api: TestClient, app_ctx: ServiceContext, register_node: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    regs = [register_node(f"gpu-{i}") for i in range(5)]
+    lease_ttl.forget(app_ctx.db)
+    lease_ttl.current(app_ctx)  # counted now: 5 Ready nodes
+    first = _poll(api, regs[0])  # built and kept at the default rate: nothing asked
+    assert first["poll_wait_seconds"] is None
+    monkeypatch.setattr(lease_ttl, "POLL_RATE", 0.125)  # 5 nodes: 40 s waits
+    # a poll ending on its unchanged revision: the answer kept at another count, asking
+    kept = _poll(api, regs[0], revision=first["revision"], wait=0.01)
+    assert kept["revision"] == first["revision"] and kept["poll_wait_seconds"] == 40.0
+    assert _poll(api, regs[1])["poll_wait_seconds"] == 40.0  # one built afresh
+    monkeypatch.setattr(lease_ttl, "POLL_RATE", 0.0625)  # 80 s: the route's bound
+    assert _poll(api, regs[2])["poll_wait_seconds"] == lease_ttl.MAX_POLL_WAIT
 
 
 def _register(ctx: ServiceContext, count: int) -> list[str]:

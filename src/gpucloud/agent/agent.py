@@ -22,7 +22,7 @@ import httpx
 
 from gpucloud.agent.access import AccessServer, PodContainer, running_container
 from gpucloud.agent.backoff import Backoff
-from gpucloud.agent.config import AgentConfig
+from gpucloud.agent.config import AgentConfig, poll_wait
 from gpucloud.agent.connection import AgentFailure, AgentStopped, Connection, is_transient
 from gpucloud.agent.hardware import NodeDevices, prepare_devices, registration
 from gpucloud.agent.health import node_health
@@ -145,6 +145,8 @@ class Agent:
             self._usage_targets, config.usage_interval_seconds, self.stop_event,
             self._container_ids)
         self.revision: int | None = None
+        #: the next long poll's wait (``poll_wait``: longer when the server asks it)
+        self.poll_wait_seconds = config.poll_wait_seconds
         self.error: GpucloudError | None = None
 
     def _gpu_sharing(self, capabilities: NodeCapabilities) -> GpuSharing:
@@ -318,8 +320,7 @@ class Agent:
         backoff = Backoff()
         while not self.stop_event.is_set():
             try:
-                snapshot = self.conn.client.assignments(self.revision,
-                                                        self.config.poll_wait_seconds)
+                snapshot = self.conn.client.assignments(self.revision, self.poll_wait_seconds)
             except Unauthorized:
                 self.conn.connect()
                 continue
@@ -337,6 +338,8 @@ class Agent:
                 return
             mark("agent.poll.answer", revision=snapshot.revision, pods=len(snapshot.pods))
             self.revision = snapshot.revision
+            self.poll_wait_seconds = poll_wait(self.config.poll_wait_seconds,
+                                               snapshot.poll_wait_seconds)
             self.exports.update(snapshot.volume_exports)
             self.reconcile(snapshot.pods)
             self._collect_volumes(snapshot.volume_pods)

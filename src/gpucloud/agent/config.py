@@ -13,7 +13,16 @@ from gpucloud.core.settings import gpucloud_home
 
 DEFAULT_STOP_GRACE_SECONDS = 30.0
 DEFAULT_POLL_WAIT_SECONDS = 30.0
+#: The longest assignments long poll the server takes (its route's ``wait`` bound).
+MAX_POLL_WAIT_SECONDS = 60.0
 _NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+
+
+def poll_wait(own: float, asked: float | None) -> float:
+    """The wait of the next long poll: the agent's own, or the longer one the server asks
+    of a large fleet (``AssignmentsOut.poll_wait_seconds``, services/lease_ttl.py), at most
+    ``MAX_POLL_WAIT_SECONDS``. A change still ends a poll at once, whatever its wait."""
+    return own if asked is None else max(own, min(asked, MAX_POLL_WAIT_SECONDS))
 
 
 def default_state_dir() -> Path:

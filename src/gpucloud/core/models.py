@@ -433,6 +433,10 @@ class AssignmentsOut(BaseModel):
     volume_exports: list[VolumeExport] = Field(default_factory=list)
     #: GPU resets and diags an admin asked for that the agent has not answered yet.
     gpu_actions: list[GpuAction] = Field(default_factory=list)
+    #: The long-poll wait this server asks of a large fleet (services/lease_ttl.py: its
+    #: polls a second bounded as its renewals are); the agent polls with the longer of
+    #: this and its own. None: the agent's own.
+    poll_wait_seconds: float | None = Field(default=None, ge=0, le=60)
 
 
 class NodeOut(BaseModel):

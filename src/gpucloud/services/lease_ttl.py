@@ -20,6 +20,17 @@ N is the count of ``Ready`` nodes, read at most every ``RECOUNT_S`` per process 
 database URL (one ``count(*)``, by whichever thread asks first when it is due; the others
 use the last count meanwhile, and a failed count keeps the last one; the lease path's own
 pool shares the request pool's count). ``cached`` never queries, for the event loop.
+
+The long polls grow the same way. Each agent has one assignments poll out at all times,
+and one that ends on an unchanged revision at its ``wait`` is sent again at once: N / wait
+polls a second (10,000 agents polling 30 s each: 333 a second, ~3.4 ms of replica CPU
+each, more than the renewals). How soon an agent sees a change does not depend on that
+wait (a change wakes its poll), so a fleet past ``POLL_RATE × BASE_POLL_WAIT`` nodes
+(``GPUCLOUD_POLL_RATE``, default 200 a second: 6,000 nodes) is asked to wait ``N /
+POLL_RATE`` seconds, at most ``MAX_POLL_WAIT`` (the route's bound, within the proxies'
+documented read timeouts: docs/replicas.md); every answer carries it
+(``poll_wait_seconds``, None below that) and the agent polls with the longer of its own
+wait and this one (agent/agent.py). From the cached count: no query.
 """
 
 from __future__ import annotations
@@ -43,6 +54,14 @@ RATE = number_from_env("GPUCLOUD_LEASE_RATE", 1000.0, 1.0, 1_000_000.0)
 RENEWALS_PER_TTL = 3
 #: How often a process counts the Ready nodes again (s).
 RECOUNT_S = 10.0
+#: The long polls a second that end unchanged the fleet may send before its waits grow.
+POLL_RATE = number_from_env("GPUCLOUD_POLL_RATE", 200.0, 1.0, 1_000_000.0)
+#: The agent's own default wait (agent/config.py ``DEFAULT_POLL_WAIT_SECONDS``): the
+#: server asks for a longer one only past it.
+BASE_POLL_WAIT = 30.0
+#: The longest wait asked for: the route's bound (``Query(le=60)``), the one the proxies'
+#: read timeouts are documented for.
+MAX_POLL_WAIT = 60.0
 
 
 def fleet_ttl(base: float, nodes: int, rate: float = RATE) -> float:
@@ -50,6 +69,13 @@ def fleet_ttl(base: float, nodes: int, rate: float = RATE) -> float:
     renew at most ``rate`` times a second."""
     scaled = math.ceil(RENEWALS_PER_TTL * nodes / rate)
     return float(scaled) if scaled > base else base
+
+
+def fleet_poll_wait(nodes: int, rate: float = POLL_RATE) -> float | None:
+    """The long-poll wait (whole seconds, at most ``MAX_POLL_WAIT``) that keeps ``nodes``
+    agents' polls within ``rate`` a second; None while ``BASE_POLL_WAIT`` already does."""
+    scaled = math.ceil(nodes / rate)
+    return min(float(scaled), MAX_POLL_WAIT) if scaled > BASE_POLL_WAIT else None
 
 
 @dataclass
@@ -99,6 +125,12 @@ def current(ctx: ServiceContext) -> float:
 def cached(ctx: ServiceContext) -> float:
     """The TTL from the last count, without a query (the configured one before any)."""
     return fleet_ttl(ctx.settings.lease_ttl_seconds, _count_of(ctx.db).nodes, RATE)
+
+
+def poll_wait(ctx: ServiceContext) -> float | None:
+    """The long-poll wait to ask of the agents now (``fleet_poll_wait`` of the last
+    count, without a query)."""
+    return fleet_poll_wait(_count_of(ctx.db).nodes, POLL_RATE)
 
 
 def forget(db: Database) -> None:

@@ -6,10 +6,13 @@ change committed in this process sets at once and one committed on another repli
 through its ``LISTEN/NOTIFY`` hint (services/notify.py). A hint can be lost (a restart,
 PgBouncer in transaction mode), so every ``period`` seconds one thread reads the
 ``assignments_revision`` of every node with a waiting poll in a single ``SELECT … IN``
-and wakes the nodes whose revision moved since it last looked; a node it sees for the
-first time is woken too (its poll re-reads its own revision: one query), so that a change
-between that poll's own read and the watcher's first look is never missed. With 10,000
-agents long-polling this is a few queries per period instead of 10,000.
+and wakes the nodes whose revision moved since it last looked. Each poll, listening
+already, tells the watcher the revision it read (``saw``), so a change between that read
+and the watcher's next look is seen as a move and wakes it; a node it knows nothing of
+(a poll that did not say) is woken too (its poll re-reads its own revision: one query).
+Before ``saw``, every node was new to the watcher once per replica, and its woken poll
+built its full answer for nothing: a booting fleet's every node, 10,000 builds. With
+10,000 agents long-polling this is a few queries per period instead of 10,000.
 
 The thread starts with the first long poll and ends once no poll has waited for a while.
 """
@@ -63,6 +66,12 @@ class RevisionWatcher:
                 self.check(waiting)
             except Exception as error:  # noqa: BLE001 - the database is down: next period
                 log.debug("revision watch failed: %s", error)
+
+    def saw(self, node_id: str, revision: int) -> None:
+        """A poll of ``node_id``, listening for its wake-up, read ``revision``: the
+        watcher wakes it if its next look finds another (never later than it would
+        have). An older value than the watcher's own only costs an extra wake-up."""
+        self._seen[node_id] = revision
 
     def check(self, node_ids: list[str]) -> list[str]:
         """Read the revisions of ``node_ids``; wake (and return) those that moved or are

@@ -31,6 +31,7 @@ from gpucloud.services import (
     assignment_answers,
     auth_guard,
     gangs,
+    lease_ttl,
     metrics,
     nodes,
     ratelimit,
@@ -129,7 +130,9 @@ async def assignments(ctx: Ctx, credential: NodeToken,
     poll waits on), and a poll that ends on an unchanged revision gets the answer kept
     for it (``assignment_answers``). The first read comes before the poll listens (it
     finds the node); a change committed in that instant is caught by the watcher, which
-    wakes a node whose revision moved since it last looked. A well-formed poll is served
+    wakes a node whose revision moved since it last looked. Every answer asks a large
+    fleet for a longer wait (``poll_wait_seconds``, services/lease_ttl.py), so that its
+    polls a second stay bounded as its renewals do. A well-formed poll is served
     by api/agent_fast.py, without the framework's request cycle, by ``poll`` as here.
     """
     return await poll(ctx, credential, wait, revision)
@@ -150,7 +153,7 @@ async def poll(ctx: ServiceContext, credential: NodeCredential, wait: float,
                 if current != revision:
                     break
             waited = True
-            revision_watch.watcher(ctx, lambda: POLL_SECONDS)
+            revision_watch.watcher(ctx, lambda: POLL_SECONDS).saw(node_id, current)
             if await wakeups.wait(woken, max(0.0, deadline - time.monotonic())):
                 # Woken: a change was committed for this node (a bind, a stop), so the
                 # answer is built at once, in one hop, not after a re-read of the revision
@@ -161,12 +164,24 @@ async def poll(ctx: ServiceContext, credential: NodeCredential, wait: float,
                                               node_id, None)
                 mark("poll.answer.built", revision=out.revision, pods=len(out.pods))
                 if out.revision != revision:
-                    return out
+                    return _asking_wait(ctx, out)
     unchanged = current if waited and current == revision else None
     mark("poll.answering", revision=current, changed=unchanged is None)
-    out = await run_in_threadpool(assignment_answers.ANSWERS.answer, ctx, node_id, unchanged)
+    # the answer kept for an unchanged revision is a lookup: served here, not on a thread
+    kept = (assignment_answers.ANSWERS.kept(node_id, unchanged) if unchanged is not None
+            else None)
+    out = kept if kept is not None else await run_in_threadpool(
+        assignment_answers.ANSWERS.answer, ctx, node_id, unchanged)
     mark("poll.answer.built", revision=out.revision, pods=len(out.pods))
-    return out
+    return _asking_wait(ctx, out)
+
+
+def _asking_wait(ctx: ServiceContext, out: AssignmentsOut) -> AssignmentsOut:
+    """``out`` with the long-poll wait asked of the fleet now (``lease_ttl.poll_wait``:
+    no query). A kept answer is shared, so one built at another count is copied."""
+    wait = lease_ttl.poll_wait(ctx)
+    return out if out.poll_wait_seconds == wait else out.model_copy(
+        update={"poll_wait_seconds": wait})
 
 
 @router.post("/pods/{pod_id}/status")
