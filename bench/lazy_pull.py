@@ -73,6 +73,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -756,11 +757,36 @@ def parse_args() -> argparse.Namespace:
                         help="build the image in this run's temporary directory, keep nothing")
     parser.add_argument("--prepare-only", action="store_true",
                         help="build the image into --image-cache (if not there) and exit")
+    parser.add_argument("--ab", metavar="VAR=VALUE",
+                        help="A/B in one sitting: runs 1, 3, 5, ... with VAR=VALUE in the "
+                        "environment (the agent and lazyfs daemon inherit it), runs 0, 2, "
+                        "... without; each variant summarized apart (`ab` in the JSON)")
+    parser.add_argument("--no-cached-reads", action="store_true",
+                        help="skip the cached-read pass after the last run (bulk prefetch "
+                        "wait and whole-image reads: a minute at full size)")
     return parser.parse_args()
+
+
+def stop_on_signals() -> None:
+    """SIGTERM (``timeout``, a killed job) and SIGINT raise ``KeyboardInterrupt`` once, so
+    the ``finally`` blocks run: the node's agent terminated, its lazyfs daemon stopped (it
+    runs in a session of its own and would go on serving, and prefetching, after us), its
+    mounts unmounted, the registry and relay stopped. Further signals are ignored while
+    that clean-up runs."""
+    def interrupt(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"bench: signal {signum}: stopping the node and its lazyfs daemon",
+              file=sys.stderr)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
 
 
 def main() -> None:
     args = parse_args()
+    stop_on_signals()
     total = (args.mb or (200 if args.quick else 1100)) * 1_000_000
     chunk_size = int(args.chunk_mib * MiB)
     work = workload(total)
@@ -827,8 +853,10 @@ def run_forms(args: argparse.Namespace, work: Workload, cloud: Cloud, relay: Rel
             relay.set_rtt(rtt)
             runs, reads, timelines = [], None, []
             for number in range(args.runs):
-                last = number == args.runs - 1 and rtt == args.rtt_ms[0]
+                last = (number == args.runs - 1 and rtt == args.rtt_ms[0]
+                        and not args.no_cached_reads)
                 name = f"{form}-{int(rtt)}-{number}"
+                ab_variant(args.ab, number)
                 trace_to = args.trace / f"{name}.jsonl" if args.trace else None
                 if trace_to is not None:
                     trace_to.parent.mkdir(parents=True, exist_ok=True)
@@ -837,15 +865,33 @@ def run_forms(args: argparse.Namespace, work: Workload, cloud: Cloud, relay: Rel
                                          work if last else None, trace_to)
                 runs.append(run)
                 reads = measured or reads
-                print(f"{form} rtt {rtt} ms run {number}: {run}", file=sys.stderr)
+                variant = f" [{args.ab if number % 2 else 'A'}]" if args.ab else ""
+                print(f"{form} rtt {rtt} ms run {number}{variant}: {run}", file=sys.stderr)
                 if trace_to is not None:
                     timelines.append(trace.summarize(trace.load(str(trace_to))))
                     print(json.dumps(timelines[-1]), file=sys.stderr)
+            ab_variant(args.ab, 0)
             result.setdefault(form, {})[f"rtt_{rtt:g}ms"] = summary(runs)
+            if args.ab:
+                result[form][f"rtt_{rtt:g}ms"]["ab"] = {
+                    "A (unset)": summary(runs[0::2]),
+                    **({f"B ({args.ab})": summary(runs[1::2])} if len(runs) > 1 else {})}
             if timelines:
                 result[form][f"rtt_{rtt:g}ms"]["timelines"] = timelines
             if reads is not None:
                 result[form]["cached_reads"] = reads
+
+
+def ab_variant(ab: str | None, number: int) -> None:
+    """``--ab VAR=VALUE``: set VAR for odd-numbered runs, unset it for even ones (the
+    node's agent and lazyfs daemon start per run and inherit the environment)."""
+    if not ab:
+        return
+    var, _, value = ab.partition("=")
+    if number % 2:
+        os.environ[var] = value
+    else:
+        os.environ.pop(var, None)
 
 
 def link_proof(relay: Relay, digest: str) -> dict[str, Any]:

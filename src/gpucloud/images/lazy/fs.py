@@ -175,6 +175,9 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
         self._on_init = on_init
         self.nodes = build_tree(layer.toc)
         self._max_read = max_read
+        # Uncached reads: fetched into the cache, then spliced from it like cached ones
+        # (GPUCLOUD_LAZYFS_COPY_READS=1: the old path, the bytes copied into a buffer).
+        self._fetch_to_cache = os.environ.get("GPUCLOUD_LAZYFS_COPY_READS") != "1"
         self._attrs: dict[str, dict[str, Any]] = {}
         self._stat_images: dict[str, bytes] = {}
         # Per libfuse worker thread (by its pthread id): the extents its last reply used.
@@ -304,6 +307,8 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
             raise mfusepy.FuseOSError(errno.EISDIR)
         size = max(0, min(size, node.size - offset))
         extents = self.layer.cached_extents(node.data_path, offset, size) if size else []
+        if extents is None and self._fetch_to_cache:
+            extents = self._fetched_extents(path, node, offset, size)
         if extents is not None:
             _set_pointer(bufpp, _fd_bufvec([(h.fd, pos, length) for h, pos, length in extents]))
             if extents:
@@ -313,6 +318,20 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
             return 0
         _set_pointer(bufpp, _mem_bufvec(self.read(path, size, offset, fh)))
         return 0
+
+    def _fetched_extents(self, path: str, node: Node, offset: int, size: int
+                         ) -> list[tuple[CachedFd, int, int]] | None:
+        """Fetch the missing chunks into the cache (verified first, as always), then the
+        extents to splice from it; None when a chunk did not stay cached (disk full, or
+        evicted meanwhile): the caller then copies the bytes as before. A failed fetch is
+        ``EIO``, as in ``read``."""
+        try:
+            self.layer.fetch_missing(node.data_path, offset, size)
+        except (ImageError, OSError) as exc:
+            self.layer.stats.errors += 1
+            log.warning("read of %s in layer %s failed: %s", path, self.layer.digest, exc)
+            raise mfusepy.FuseOSError(errno.EIO) from exc
+        return self.layer.cached_extents(node.data_path, offset, size)
 
     def _advise(self, node: Node, offset: int, size: int) -> None:
         """Read ahead the chunk files of ``[offset+AHEAD, offset+size+AHEAD)``: over a

@@ -152,6 +152,7 @@ class LazyLayer:
         self.scheduler = scheduler if scheduler is not None else FetchScheduler()
         self._refs: dict[str, list[ChunkRef]] = {}
         self._by_digest: dict[str, ChunkRef] = {}
+        self._all: list[ChunkRef] | None = None
         self.stats = LayerStats()
 
     def close(self) -> None:
@@ -233,6 +234,20 @@ class LazyLayer:
                     os.posix_fadvise(handle.fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 finally:
                     self._cache.release(handle)
+
+    def fetch_missing(self, path: str, offset: int, size: int) -> None:
+        """Fetch (at ``DEMAND``, verified, into the cache) the chunks behind ``[offset,
+        offset+size)`` of ``path`` that are not cached, without handing their bytes back:
+        the FUSE read then splices them from the chunk files (``cached_extents``) instead of
+        joining, slicing and copying them into a fresh buffer (three copies of every byte
+        and the page faults of a new 1 MiB buffer per request)."""
+        missing = []
+        for ref in self._covering(path, offset, size):
+            if not self._cache.has(ref.digest):
+                self._by_digest.setdefault(ref.digest, ref)
+                missing.append(Item(ref.digest, ref.offset, ref.end))
+        if missing:
+            self.scheduler.fetch(self, _unique(missing), Priority.DEMAND)
 
     def release_extents(self, extents: list[tuple[CachedFd, int, int]]) -> None:
         for handle, _, _ in extents:
@@ -331,10 +346,13 @@ class LazyLayer:
             return
 
     def all_chunks(self) -> list[ChunkRef]:
-        """Every chunk of every visible regular file (no landmarks), in blob order."""
-        refs = [ref for path, chunks in self.toc.chunk_map().items()
-                if path not in HIDDEN_ROOT_NAMES for ref in chunks]
-        return sorted(refs, key=_blob_order)
+        """Every chunk of every visible regular file (no landmarks), in blob order (sorted
+        once: the TOC never changes, and ``status`` asks for it per layer each time)."""
+        if self._all is None:
+            refs = [ref for path, chunks in self.toc.chunk_map().items()
+                    if path not in HIDDEN_ROOT_NAMES for ref in chunks]
+            self._all = sorted(refs, key=_blob_order)
+        return self._all
 
     def local_bytes(self) -> tuple[int, int]:
         """(uncompressed bytes cached, uncompressed bytes in total) of this layer's files."""
