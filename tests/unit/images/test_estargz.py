@@ -258,6 +258,47 @@ def test_toc_refuses_out_of_range_or_malformed_entries(entry: dict[str, Any]) ->
         parse_toc(_toc(entry), 1000, toc_offset=900)
 
 
+def _alike(count: int, **fault: Any) -> list[dict[str, Any]]:
+    """``count`` small files with the same keys (one key layout), the last one with the
+    fields of ``fault`` (same keys, bad values)."""
+    out = [{"name": f"d/f{i}", "type": "reg", "size": 4, "modtime": "", "mode": 0o644,
+            "offset": 10 + 10 * i, "digest": DIGEST, "chunkDigest": DIGEST}
+           for i in range(count)]
+    out[-1].update(fault)
+    return out
+
+
+@pytest.mark.parametrize("fault", [
+    {"offset": -1}, {"size": True}, {"mode": "644"}, {"type": "socket"}, {"name": "../x"},
+    {"name": "d/../../x"}, {"name": "/x"}, {"name": ""}, {"name": "d/\x00"},
+    {"name": None}, {"type": None}, {"offset": 950}, {"chunkDigest": DIGEST.upper()},
+    {"digest": "sha256:" + "ab" * 25 + "abcdeab" + "sha256:"},  # 71 characters
+    {"digest": DIGEST[:-1] + "g"}, {"digest": DIGEST[:-1] + "\u00e9"}, {"digest": 5},
+])
+def test_toc_refuses_one_bad_entry_among_many_alike(fault: dict[str, Any]) -> None:
+    """The parser checks entries of one key layout together, a field at a time: the one
+    bad entry at the end of many must still be found."""
+    parse_toc(_toc(*_alike(40)), 1000, toc_offset=900)  # the same without the fault: fine
+    with pytest.raises(InvalidToc):
+        parse_toc(_toc(*_alike(40, **fault)), 1000, toc_offset=900)
+
+
+def test_toc_entries_alike_keep_nulls_names_and_owner_names() -> None:
+    """Nulls are defaults, ``..`` inside a name is no component, modes are masked and
+    owner names carry over to later entries of their uid, in a layout's entries too."""
+    files = _alike(5, name="d/a..b", mode=0o100644, size=None)
+    files[1]["uid"] = 7  # its own layout
+    owner = {"name": "d", "type": "dir", "uid": 7, "userName": "u7"}
+    late = {"name": "d/late", "type": "reg", "size": 0, "uid": 7}
+    toc = parse_toc(_toc(owner, *files, late), 1000, toc_offset=900)
+    last = toc.entry("d/a..b")
+    assert last is not None and last.size == 0 and last.mode == 0o644
+    assert [e.uname for e in toc.entries] == ["u7", "", "u7", "", "", "", "u7"]
+    assert TocEntry("d/f0", "reg", 4, mode=0o644, offset=10, digest=DIGEST,
+                    chunkDigest=DIGEST) == toc.entry("d/f0")
+    assert toc.chunks_of("d/f3")[0].digest == DIGEST and toc.chunks_of("d/a..b") == []
+
+
 def test_toc_refuses_backwards_offsets_and_gaps_in_chunks() -> None:
     a = {"name": "a", "type": "reg", "size": 4, "offset": 50, "chunkDigest": DIGEST}
     b = {"name": "b", "type": "reg", "size": 4, "offset": 20, "chunkDigest": DIGEST}
