@@ -897,6 +897,8 @@ def _drive(plan: Plan, replicas: list[Replica], ports: list[int], workers: Worke
     seconds, errors, codes = asyncio.run(_create_pods(ports, 0, plan.pods // 2, 32))
     timeline["wave1"] = {"pods": plan.pods // 2, "create_s": round(seconds, 2),
                          "errors": errors, "error_codes": codes}
+    print(f"wave 1: {plan.pods // 2} pods created in {seconds:.1f} s ({errors} errors)",
+          flush=True)
     _sleep_until(time.time() + plan.duration * 0.2, end)
     leader = replicas[0]  # started first: it took the controllers' lease
     killed_at = time.time()
@@ -907,14 +909,19 @@ def _drive(plan: Plan, replicas: list[Replica], ports: list[int], workers: Worke
                                                        plan.pods - plan.pods // 2, 32))
     timeline["wave2"] = {"pods": plan.pods - plan.pods // 2, "create_s": round(seconds, 2),
                          "errors": errors, "error_codes": codes}
+    print(f"leader killed; wave 2: {plan.pods - plan.pods // 2} pods created in"
+          f" {seconds:.1f} s ({errors} errors)", flush=True)
     leader.start()  # back as a follower
     timeline["failover_s"] = _failover_seconds(monitor, killed_at, leader_before[1])
+    print(f"failover: {timeline['failover_s']} s", flush=True)
     _sleep_until(time.time() + plan.duration * 0.2, end)
     _trace_false_lost(workers, monitor, timeline)  # the failover's, while still in history
     kills = max(1, plan.agents // 100)
     per = -(-kills // len(workers.procs))
     workers.send(f"kill {per}")
     workers.wait_for("killed", len(workers.procs), timeout=30)
+    print(f"{per * len(workers.procs)} agents killed; waiting"
+          f" {max(end - time.time(), plan.expected_ttl() + 5):.0f} s for their loss", flush=True)
     # however long the waves took, the kills get TTL + 2 s (and a margin) to be detected
     time.sleep(max(end - time.time(), plan.expected_ttl() + 5))
     return timeline
