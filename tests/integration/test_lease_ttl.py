@@ -15,11 +15,16 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from gpucloud.agent.config import MAX_POLL_WAIT_SECONDS, poll_wait
+from gpucloud.agent.config import poll_wait
 from gpucloud.api import lease_capacity
 from gpucloud.controllers.loops import NodeLeaseController
 from gpucloud.core.clock import ManualClock
-from gpucloud.core.models import LeaseRequest, LeaseResponse, NodeRegisterRequest
+from gpucloud.core.models import (
+    MAX_POLL_WAIT_SECONDS,
+    LeaseRequest,
+    LeaseResponse,
+    NodeRegisterRequest,
+)
 from gpucloud.db.models import NodeModel
 from gpucloud.services import join_tokens, lease_batch, lease_ttl, nodes, projects
 from gpucloud.services.context import ServiceContext

@@ -8,13 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpucloud.core.errors import InvalidInput
+from gpucloud.core.models import DEFAULT_POLL_WAIT_SECONDS, MAX_POLL_WAIT_SECONDS
 from gpucloud.core.names import check_dns_label
 from gpucloud.core.settings import gpucloud_home
 
 DEFAULT_STOP_GRACE_SECONDS = 30.0
-DEFAULT_POLL_WAIT_SECONDS = 30.0
-#: The longest assignments long poll the server takes (its route's ``wait`` bound).
-MAX_POLL_WAIT_SECONDS = 60.0
 _NOT_LABEL = re.compile(r"[^a-z0-9-]+")
 
 

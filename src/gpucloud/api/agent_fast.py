@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gpucloud.api.deps import NodeCredential
 from gpucloud.api.limits import read_body, replay_body
 from gpucloud.api.routers import agent
-from gpucloud.core.models import LeaseRequest
+from gpucloud.core.models import MAX_POLL_WAIT_SECONDS, LeaseRequest
 from gpucloud.services import auth_guard, metrics, ratelimit
 from gpucloud.services.context import ServiceContext
 
@@ -46,8 +46,8 @@ ASSIGNMENTS = "/v1/agent/assignments"
 #: route, whose validation answers it.
 _WAIT = re.compile(r"\d{1,2}(\.\d{1,6})?")
 _REVISION = re.compile(r"-?\d{1,18}")
-#: The route's bounds on ``wait`` (``Query(ge=0, le=60)``).
-MAX_WAIT = 60.0
+#: The route's bound on ``wait``.
+MAX_WAIT = MAX_POLL_WAIT_SECONDS
 
 
 class Fallback(Exception):

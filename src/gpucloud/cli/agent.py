@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gpucloud.agent.config import (
-    DEFAULT_POLL_WAIT_SECONDS,
     DEFAULT_STOP_GRACE_SECONDS,
     AgentConfig,
     default_node_name,
@@ -27,6 +26,7 @@ from gpucloud.agent.config import (
 )
 from gpucloud.agent.ports import parse_port_range
 from gpucloud.cli.common import CliError, cli_errors
+from gpucloud.core.models import DEFAULT_POLL_WAIT_SECONDS
 
 if TYPE_CHECKING:
     from gpucloud.agent.agent import Agent

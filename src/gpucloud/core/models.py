@@ -421,6 +421,14 @@ class AssignmentOut(BaseModel):
     mig_policy: str = "dynamic"
 
 
+#: An agent's assignments long-poll wait unless it is started with another (s).
+DEFAULT_POLL_WAIT_SECONDS = 30.0
+#: The longest assignments long poll (s): the route's ``wait`` bound, the most a server
+#: asks of a large fleet (``AssignmentsOut.poll_wait_seconds``) and an agent takes from it,
+#: the one the proxies' read timeouts are documented for (docs/replicas.md).
+MAX_POLL_WAIT_SECONDS = 60.0
+
+
 class AssignmentsOut(BaseModel):
     revision: int
     fencing_token: int
@@ -436,7 +444,7 @@ class AssignmentsOut(BaseModel):
     #: The long-poll wait this server asks of a large fleet (services/lease_ttl.py: its
     #: polls a second bounded as its renewals are); the agent polls with the longer of
     #: this and its own. None: the agent's own.
-    poll_wait_seconds: float | None = Field(default=None, ge=0, le=60)
+    poll_wait_seconds: float | None = Field(default=None, ge=0, le=MAX_POLL_WAIT_SECONDS)
 
 
 class NodeOut(BaseModel):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, select
 
+from gpucloud.core.models import DEFAULT_POLL_WAIT_SECONDS, MAX_POLL_WAIT_SECONDS
 from gpucloud.core.phases import NodeStatus
 from gpucloud.core.tunables import number_from_env
 from gpucloud.db.models import NodeModel
@@ -56,12 +57,10 @@ RENEWALS_PER_TTL = 3
 RECOUNT_S = 10.0
 #: The long polls a second that end unchanged the fleet may send before its waits grow.
 POLL_RATE = number_from_env("GPUCLOUD_POLL_RATE", 200.0, 1.0, 1_000_000.0)
-#: The agent's own default wait (agent/config.py ``DEFAULT_POLL_WAIT_SECONDS``): the
-#: server asks for a longer one only past it.
-BASE_POLL_WAIT = 30.0
-#: The longest wait asked for: the route's bound (``Query(le=60)``), the one the proxies'
-#: read timeouts are documented for.
-MAX_POLL_WAIT = 60.0
+#: The agent's own default wait: the server asks for a longer one only past it.
+BASE_POLL_WAIT = DEFAULT_POLL_WAIT_SECONDS
+#: The longest wait asked for: the route's bound.
+MAX_POLL_WAIT = MAX_POLL_WAIT_SECONDS
 
 
 def fleet_ttl(base: float, nodes: int, rate: float = RATE) -> float:

@@ -14,6 +14,7 @@ from gpucloud.api import lease_capacity, register_capacity, usage_admission
 from gpucloud.api.deps import Ctx, NodeCredential, NodeId, NodeToken
 from gpucloud.core.jobs import AgentPodReadyRequest
 from gpucloud.core.models import (
+    MAX_POLL_WAIT_SECONDS,
     AgentLogChunkRequest,
     AgentPodStatusRequest,
     AssignmentsOut,
@@ -116,7 +117,7 @@ def _renew_full(body: LeaseRequest, credential: NodeCredential, received_at: dat
 
 @router.get("/assignments")
 async def assignments(ctx: Ctx, credential: NodeToken,
-                      wait: float = Query(default=0, ge=0, le=60),
+                      wait: float = Query(default=0, ge=0, le=MAX_POLL_WAIT_SECONDS),
                       revision: int | None = Query(default=None)) -> AssignmentsOut:
     """Long poll: returns once the node's revision differs from ``revision``, or at ``wait``.
 

@@ -23,7 +23,8 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -278,12 +279,8 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
             raise mfusepy.FuseOSError(errno.EISDIR)
         if offset >= node.size:
             return b""
-        try:
+        with self._eio_on_failure(path):
             return self.layer.read(node.data_path, offset, size)
-        except (ImageError, OSError) as exc:
-            self.layer.stats.errors += 1
-            log.warning("read of %s in layer %s failed: %s", path, self.layer.digest, exc)
-            raise mfusepy.FuseOSError(errno.EIO) from exc
 
     def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fh: int  # noqa: ARG002 - mfusepy's signature
                  ) -> int:
@@ -325,13 +322,20 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
         extents to splice from it; None when a chunk did not stay cached (disk full, or
         evicted meanwhile): the caller then copies the bytes as before. A failed fetch is
         ``EIO``, as in ``read``."""
-        try:
+        with self._eio_on_failure(path):
             self.layer.fetch_missing(node.data_path, offset, size)
+        return self.layer.cached_extents(node.data_path, offset, size)
+
+    @contextmanager
+    def _eio_on_failure(self, path: str) -> Iterator[None]:
+        """A read of ``path`` that failed (registry, digest, disk): counted, logged, and
+        ``EIO`` to the reader, never unverified bytes."""
+        try:
+            yield
         except (ImageError, OSError) as exc:
             self.layer.stats.errors += 1
             log.warning("read of %s in layer %s failed: %s", path, self.layer.digest, exc)
             raise mfusepy.FuseOSError(errno.EIO) from exc
-        return self.layer.cached_extents(node.data_path, offset, size)
 
     def _advise(self, node: Node, offset: int, size: int) -> None:
         """Read ahead the chunk files of ``[offset+AHEAD, offset+size+AHEAD)``: over a
