@@ -6,11 +6,13 @@ controllable clock, against a source that records the requests it would send.
 
 from __future__ import annotations
 
-from concurrent.futures import CancelledError
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 
 import pytest
 
-from gpucloud.images.lazy.scheduler import FetchScheduler, Item, Priority
+from gpucloud.images.lazy.scheduler import Deliver, FetchScheduler, Item, Priority
 
 
 class Clock:
@@ -27,10 +29,20 @@ class Recorder:
     def __init__(self) -> None:
         self.requests: list[tuple[Priority, int, int, list[str]]] = []
 
-    def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
+    def fetch_span(self, items: list[Item], priority: Priority) -> bytes:
         start, end = items[0].start, max(i.end for i in items)
         self.requests.append((priority, start, end, [i.key for i in items]))
-        return {i.key: bytes(b % 251 for b in range(i.start, i.end)) for i in items}
+        return bytes(b % 251 for b in range(start, end))
+
+    def decode_items(self, items: list[Item], blob: bytes, deliver: Deliver) -> None:
+        for item in items:
+            deliver(item.key, blob[item.start - items[0].start : item.end - items[0].start])
+
+    def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
+        """Both steps, for tests that finish a taken batch by hand."""
+        got: dict[str, bytes] = {}
+        self.decode_items(items, self.fetch_span(items, priority), got.__setitem__)
+        return got
 
 
 def _items(*extents: tuple[int, int]) -> list[Item]:
@@ -210,7 +222,7 @@ def test_a_failed_fetch_fails_its_waiters_and_not_the_others() -> None:
     clock = Clock()
 
     class Broken(Recorder):
-        def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
+        def fetch_span(self, items: list[Item], priority: Priority) -> bytes:
             raise OSError("registry gone")
 
     broken, fine = Broken(), Recorder()
@@ -221,3 +233,102 @@ def test_a_failed_fetch_fails_its_waiters_and_not_the_others() -> None:
     with pytest.raises(OSError, match="registry gone"):
         bad[0].result()
     assert good[0].result() == bytes(range(100))
+
+
+class Stepwise(Recorder):
+    """Calls ``during(key)`` after delivering each item, and can refuse one item."""
+
+    def __init__(self, during: Callable[[str], None], bad: str = "") -> None:
+        super().__init__()
+        self.during, self.bad = during, bad
+
+    def decode_items(self, items: list[Item], blob: bytes, deliver: Deliver) -> None:
+        for item in items:
+            if item.key == self.bad:
+                continue
+            deliver(item.key, blob[item.start - items[0].start : item.end - items[0].start])
+            self.during(item.key)
+        if self.bad:
+            raise ValueError(f"{self.bad} is corrupt")
+
+
+def test_each_chunk_is_resolved_when_verified_not_when_its_request_is() -> None:
+    seen: list[tuple[bool, bool]] = []
+    futures: list[Future[bytes]] = []
+    src = Stepwise(lambda key: seen.append((futures[0].done(), futures[1].done())))
+    sched = _scheduler(Clock())
+    futures += sched.submit(src, _items((0, 100), (100, 200)), Priority.PRIORITY)
+    assert sched.run_one() and len(src.requests) == 1
+    assert seen == [(True, False), (True, True)]
+    assert futures[1].result() == bytes(b % 251 for b in range(100, 200))
+
+
+def _taken_while_decoding(pipelined: bool) -> list[Priority | None]:
+    """With one prefetch place: what ``take`` gives while the first request decodes."""
+    taken: list[Priority | None] = []
+    sched = FetchScheduler(4, 1, gap=0, prefetch_request=100, clock=Clock(),
+                           threads=False, pipelined=pipelined)
+
+    def take_next(key: str) -> None:
+        if key == "c0":
+            batch = sched.take()
+            taken.append(batch.priority if batch is not None else None)
+
+    sched.submit(Stepwise(take_next), _items((0, 100), (5000, 5100)), Priority.PRIORITY)
+    assert sched.run_one()
+    return taken
+
+
+def test_a_fetch_frees_its_place_on_the_wire_before_its_chunks_are_decoded() -> None:
+    """The next request may go out while the first one's chunks are decoded;
+    ``pipelined=False`` (the old way) holds the place until the end."""
+    assert _taken_while_decoding(True) == [Priority.PRIORITY]
+    assert _taken_while_decoding(False) == [None]
+
+
+def test_a_corrupt_chunk_fails_its_waiter_after_the_good_ones_are_served() -> None:
+    src = Stepwise(lambda key: None, bad="c100")
+    sched = _scheduler(Clock())
+    good, bad, later = sched.submit(src, _items((0, 100), (100, 200), (200, 300)),
+                                    Priority.DEMAND)
+    assert sched.run_one()
+    assert good.result() == bytes(range(100)) and later.result()[:1] == bytes([200])
+    with pytest.raises(ValueError, match="c100 is corrupt"):
+        bad.result()
+    again = sched.submit(src, _items((100, 200)), Priority.DEMAND)  # asked again: refetched
+    assert again[0] is not bad and not again[0].done()
+
+
+def test_a_demand_reader_waiting_on_a_prefetch_wakes_when_its_chunk_lands() -> None:
+    """A reader sharing a chunk of a running prefetch request returns once that chunk is
+    verified, while the request's later chunks are still being decoded."""
+    released = threading.Event()
+    reader_done = threading.Event()
+
+    def hold_after_first(key: str) -> None:
+        if key == "c0":
+            assert reader_done.wait(5), "the reader was not woken by its chunk"
+        released.set()
+
+    src = Stepwise(hold_after_first)
+    sched = _scheduler(Clock())
+    sched.submit(src, _items((0, 100), (100, 200)), Priority.PRIORITY)
+    batch = sched.take()
+    assert batch is not None
+
+    submitted = threading.Event()
+
+    def reader() -> None:
+        # ``fetch``'s two steps, with the submit known to come before the batch runs.
+        futures = sched.submit(src, _items((0, 100)), Priority.DEMAND)  # shared: running
+        submitted.set()
+        sched._help_until_done(futures)
+        assert futures[0].result() == bytes(range(100))
+        reader_done.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert submitted.wait(5)
+    sched._run(batch)  # the reader returns inside the decode, after c0 and before c100
+    thread.join(5)
+    assert reader_done.is_set() and released.is_set() and not thread.is_alive()

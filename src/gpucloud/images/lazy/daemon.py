@@ -98,9 +98,12 @@ class LazyfsDaemon:
         self.mnt = self.root / "mnt"
         self.mnt.mkdir(parents=True, exist_ok=True)
         self.cache = ChunkCache(self.root / "cache", cache_limit)
-        # One for the node (demand anywhere pauses prefetch); two prefetch fetches at once
-        # (scheduler.py: one on the wire while the other's chunks are processed).
-        self.scheduler = FetchScheduler(prefetch_workers=2)
+        # One for the node (demand anywhere pauses prefetch); two prefetch fetches on the
+        # wire at once, each place with a second thread that decodes the last one's chunks
+        # (scheduler.py). GPUCLOUD_LAZYFS_SERIAL_DECODE=1: the old way, for A/B runs.
+        self.scheduler = FetchScheduler(
+            prefetch_workers=2,
+            pipelined=os.environ.get("GPUCLOUD_LAZYFS_SERIAL_DECODE") != "1")
         self._read_deadline = read_deadline
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mounted] = {}

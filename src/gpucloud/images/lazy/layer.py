@@ -35,7 +35,7 @@ from gpucloud.images.lazy.cache import CachedFd, ChunkCache
 from gpucloud.images.lazy.estargz import decompress_chunk
 from gpucloud.images.lazy.fetch import RangeFetcher
 from gpucloud.images.lazy.footer import FOOTER_SIZE, parse_footer
-from gpucloud.images.lazy.scheduler import FetchScheduler, Item, Priority, wait_all
+from gpucloud.images.lazy.scheduler import Deliver, FetchScheduler, Item, Priority, wait_all
 from gpucloud.images.lazy.toc import (
     HIDDEN_ROOT_NAMES,
     TOC_NAME,
@@ -284,9 +284,9 @@ class LazyLayer:
             out.update(self.scheduler.fetch(self, _unique(missing), priority))
         return out
 
-    def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
-        """``Source`` of the scheduler: fetch ``items`` (adjacent, merged by the scheduler)
-        in one Range request, verify each chunk and insert it into the cache."""
+    def fetch_span(self, items: list[Item], priority: Priority) -> bytes:
+        """``Source`` of the scheduler: the compressed bytes of ``items`` (adjacent, merged
+        by the scheduler) in one Range request."""
         if self.fetcher is None:
             raise ImageError(f"layer {self.digest}: chunk not cached and no registry to fetch it")
         start, end = items[0].start, max(i.end for i in items)
@@ -301,7 +301,13 @@ class LazyLayer:
             self.stats.prefetched += len(blob)
             if priority is Priority.PRIORITY:
                 self.stats.prefetched_priority += len(blob)
-        got: dict[str, bytes] = {}
+        return blob
+
+    def decode_items(self, items: list[Item], blob: bytes, deliver: Deliver) -> None:
+        """``Source`` of the scheduler: verify each chunk of ``blob`` (``fetch_span``'s),
+        insert it into the cache and ``deliver`` it, one by one; a corrupt chunk is never
+        cached nor delivered, and is raised after the others."""
+        start = items[0].start
         corrupt: ChunkCorrupt | None = None
         for item in items:
             ref = self._by_digest[item.key]
@@ -313,10 +319,9 @@ class LazyLayer:
                 corrupt = exc
                 continue
             self._cache.put(ref.digest, data, verified=True)
-            got[ref.digest] = data
+            deliver(ref.digest, data)
         if corrupt is not None:
             raise corrupt
-        return got
 
     # -- prefetch ------------------------------------------------------------------------
 

@@ -17,16 +17,21 @@ layer). A request is a set of chunks (``Item``: a key, a compressed extent of a 
   have been quiet for ``bulk_quiet`` seconds (a starting program reads in bursts; the rest
   of the layer must not share the link or the CPU with them).
 
-At most ``prefetch_workers`` prefetch fetches run at once (``BULK``: one, and only when no
-other prefetch runs), each at most ``prefetch_request`` bytes, so a demand read that
-arrives while they are on the wire shares the link with little. The daemon runs two: one
-request's chunks are decompressed, hashed and written while the next is on the wire
-(with one, the link idled for each batch's processing, longer than its transfer for a
-batch of small files). Queued prefetch is preempted outright: a demand read of a chunk
-queued for prefetch promotes it to ``DEMAND``, and nothing of lower priority is dispatched
-while demand work exists. A chunk is fetched once however many readers want it (single
-flight). Queued items of one source and priority that are adjacent or nearby in the blob
-(``gap``) are merged into one Range request of at most ``max_request`` bytes.
+At most ``prefetch_workers`` prefetch fetches are on the wire at once (``BULK``: one, and
+only when no other prefetch runs), each at most ``prefetch_request`` bytes, so a demand
+read that arrives while they are on the wire shares the link with little. The daemon runs
+two. A fetch is two steps (``Source.fetch_span``: the request; ``Source.decode_items``:
+each chunk decompressed, hashed and cached) and frees its place on the wire after the
+first: each place has two threads, so the next request goes out while the last one's
+chunks are decoded (a 2 MiB request of small files took longer to decode than to
+transfer, and the link idled meanwhile). Each chunk's future is resolved as soon as that
+chunk is verified, not when its whole request is: a reader waiting for one small file of a
+prefetch request reads it while the rest is decoded. Queued prefetch is preempted
+outright: a demand read of a chunk queued for prefetch promotes it to ``DEMAND``, and
+nothing of lower priority is dispatched while demand work exists. A chunk is fetched once
+however many readers want it (single flight). Queued items of one source and priority that
+are adjacent or nearby in the blob (``gap``) are merged into one Range request of at most
+``max_request`` bytes.
 
 The scheduling is a pure state machine (``take`` / ``finish``) driven by worker threads;
 tests drive it by hand (``threads=False`` and ``run_one``) with an injectable clock.
@@ -60,11 +65,23 @@ class Item:
     end: int
 
 
-class Source(Protocol):
-    """Where items come from (a layer): fetches merged items in one request."""
+Deliver = Callable[[str, bytes], None]
+"""Called with (key, verified bytes) for each item of a fetch as soon as it is verified."""
 
-    def fetch_items(self, items: list[Item], priority: Priority) -> dict[str, bytes]:
-        """The verified bytes of every item, by key (raises when the fetch fails)."""
+
+class Source(Protocol):
+    """Where items come from (a layer): fetches merged items in one request, then
+    decodes them (two steps, so the request's place on the wire is freed in between)."""
+
+    def fetch_span(self, items: list[Item], priority: Priority) -> bytes:
+        """The compressed bytes ``[items[0].start, max end)`` in one request (raises when
+        the fetch fails)."""
+        ...
+
+    def decode_items(self, items: list[Item], blob: bytes, deliver: Deliver) -> None:
+        """Verify every item's bytes in ``blob`` (which begins at ``items[0].start``) and
+        hand each to ``deliver`` as soon as it is verified; raise, after the others, when
+        one is bad."""
         ...
 
 
@@ -125,10 +142,14 @@ class FetchScheduler:
         bulk_quiet: float = BULK_QUIET,
         clock: Callable[[], float] = time.monotonic,
         threads: bool = True,
+        pipelined: bool = True,
     ) -> None:
         """``workers`` demand fetches (run by the reading threads) and ``prefetch_workers``
-        prefetch fetches (on as many threads) at once; ``threads=False`` starts no thread
-        (the caller runs ``run_one``)."""
+        prefetch fetches (on twice as many threads: one decodes while the other is on the
+        wire) at once; ``threads=False`` starts no thread (the caller runs ``run_one``).
+        ``pipelined=False``: the old way, for A/B runs: a fetch holds its place on the
+        wire while it decodes, its futures are resolved when all its chunks are done, and
+        there is one thread per place."""
         self._workers = max(1, workers)
         self._prefetch_workers = prefetch_workers
         self._gap = gap
@@ -136,14 +157,21 @@ class FetchScheduler:
         self._prefetch_request = prefetch_request
         self._bulk_quiet = bulk_quiet
         self._clock = clock
-        self._cond = threading.Condition()
+        self._pipelined = pipelined
+        lock = threading.RLock()
+        # Two conditions on one lock: the prefetch threads wait for work or a free place
+        # on the wire (``_cond``); demand readers wait for their chunks or for demand work
+        # they may run (``_done``), and are woken for every chunk verified, which would
+        # wake every prefetch thread hundreds of times per request if they shared one.
+        self._cond = threading.Condition(lock)
+        self._done = threading.Condition(lock)
         self._entries: dict[tuple[int, str], _Entry] = {}
         self._queued: dict[Priority, list[_Entry]] = {p: [] for p in Priority}
         self._running = {p: 0 for p in Priority}
         self._last_demand = clock()
         self._closed = False
         self.stats = SchedulerStats()
-        count = prefetch_workers if threads else 0
+        count = (2 * prefetch_workers if pipelined else prefetch_workers) if threads else 0
         self._threads = [threading.Thread(target=self._work, daemon=True,
                                           name=f"lazy-fetch-{n}") for n in range(count)]
         for thread in self._threads:
@@ -174,6 +202,7 @@ class FetchScheduler:
                 futures.append(entry.future)
             if priority is Priority.DEMAND:
                 self._last_demand = self._clock()
+                self._done.notify_all()
             self._cond.notify_all()
         return futures
 
@@ -200,7 +229,7 @@ class FetchScheduler:
                         break
                     if self._closed:
                         return
-                    self._cond.wait()
+                    self._done.wait()
                 if batch is None:
                     return
             self._run(batch)
@@ -235,6 +264,7 @@ class FetchScheduler:
                 queue.clear()
             self._entries.clear()
             self._cond.notify_all()
+            self._done.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
 
@@ -258,21 +288,39 @@ class FetchScheduler:
 
     def finish(self, batch: Batch, got: dict[str, bytes] | None,
                error: BaseException | None = None) -> None:
-        """Resolve the batch's futures with ``got`` (missing keys fail with ``error``)."""
+        """The batch is off the wire: resolve its futures with ``got`` (missing keys fail
+        with ``error``)."""
+        self._off_wire(batch)
+        self._settle(batch.entries, got or {}, error)
+
+    def _off_wire(self, batch: Batch) -> None:
+        """The batch's request is done: its place on the wire is free."""
         with self._cond:
             self._running[batch.priority] -= 1
             if batch.priority is Priority.DEMAND:
                 self._last_demand = self._clock()
-            for entry in batch.entries:
-                self._entries.pop((id(entry.source), entry.item.key), None)
+                self._done.notify_all()
             self._cond.notify_all()
-        for entry in batch.entries:
-            data = (got or {}).get(entry.item.key)
-            if data is not None:
-                entry.future.set_result(data)
-            else:
-                entry.future.set_exception(error or RuntimeError(
-                    f"chunk {entry.item.key} missing from its fetch"))
+
+    def _settle(self, entries: Iterable[_Entry], got: dict[str, bytes],
+                error: BaseException | None) -> None:
+        """Resolve ``entries`` (with ``got``, else ``error``) and wake the demand readers.
+        Under the lock, so a reader woken here finds its future done (resolved after the
+        wake-up, a reader could go back to waiting for a notification that never came)."""
+        with self._cond:
+            for entry in entries:
+                key = (id(entry.source), entry.item.key)
+                if self._entries.get(key) is entry:
+                    del self._entries[key]
+                if entry.future.done():
+                    continue
+                data = got.get(entry.item.key)
+                if data is not None:
+                    entry.future.set_result(data)
+                else:
+                    entry.future.set_exception(error or RuntimeError(
+                        f"chunk {entry.item.key} missing from its fetch"))
+            self._done.notify_all()
 
     def run_one(self) -> bool:
         """Take one batch and run it in this thread; False when none may run now."""
@@ -283,12 +331,35 @@ class FetchScheduler:
         return True
 
     def _run(self, batch: Batch) -> None:
+        """Fetch, free the place on the wire, decode: each chunk resolved when verified
+        (``pipelined=False``: the place held and the futures resolved at the end)."""
         try:
-            got = batch.source.fetch_items(batch.items, batch.priority)
+            blob = batch.source.fetch_span(batch.items, batch.priority)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter
             self.finish(batch, None, exc)
             return
-        self.finish(batch, got)
+        if self._pipelined:
+            self._off_wire(batch)
+        pending = {entry.item.key: entry for entry in batch.entries}
+        got: dict[str, bytes] = {}
+
+        def deliver(key: str, data: bytes) -> None:
+            if not self._pipelined:
+                got[key] = data
+                return
+            entry = pending.pop(key, None)
+            if entry is not None:
+                self._settle([entry], {key: data}, None)
+
+        error: BaseException | None = None
+        try:
+            batch.source.decode_items(batch.items, blob, deliver)
+        except BaseException as exc:  # noqa: BLE001 - handed to the chunks' waiters
+            error = exc
+        if not self._pipelined:
+            self.finish(batch, got, error)
+        elif pending:
+            self._settle(pending.values(), {}, error)
 
     def _take_locked(self, prefetch_only: bool = False) -> Batch | None:
         """``prefetch_only``: for the worker threads (demand is run by its callers, see
