@@ -124,10 +124,48 @@ def binds_and_env(state_dir: Path,
             {ENV_CHECKPOINT_DIR: assignment.checkpoint_dir})
 
 
-def install_tool(run_dir: Path) -> None:
-    """``gpucloud-ckpt`` in ``run/bin`` (``/run/gpucloud/bin`` in the container)."""
+def install_tool(run_dir: Path, node_copy: Path | None = None) -> None:
+    """``gpucloud-ckpt`` in ``run/bin`` (``/run/gpucloud/bin`` in the container).
+
+    With ``node_copy`` (a path in the agent's state directory) it is a hard link to the
+    node's one copy, written once per agent process (``_node_tool``), instead of a file
+    written and made executable on every pod's start; ``run/`` is bound read-only, so no
+    container can change the file the others share. A link that cannot be made (another
+    filesystem, the copy gone) falls back to a copy of its own."""
     target = run_dir / "bin" / "gpucloud-ckpt"
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Unlinked first, never written through: it may be a link to the shared copy.
+    target.unlink(missing_ok=True)
+    if node_copy is not None:
+        try:
+            os.link(_node_tool(node_copy), target)
+            return
+        except OSError:
+            with _NODE_TOOLS_LOCK:
+                _NODE_TOOLS.discard(node_copy)  # written again by the next start
+    _write_tool(target)
+
+
+#: The node copies of ``gpucloud-ckpt`` this process wrote (``_node_tool``).
+_NODE_TOOLS: set[Path] = set()
+_NODE_TOOLS_LOCK = threading.Lock()
+
+
+def _node_tool(node_copy: Path) -> Path:
+    """``node_copy`` holding this agent's ``CKPT_TOOL``: written (to a new file, then
+    renamed over the old one, so that containers linked to an older agent's copy keep
+    theirs) the first time this process asks."""
+    with _NODE_TOOLS_LOCK:
+        if node_copy not in _NODE_TOOLS:
+            node_copy.parent.mkdir(parents=True, exist_ok=True)
+            fresh = node_copy.with_name(f".{node_copy.name}.{os.getpid()}")
+            _write_tool(fresh)
+            os.replace(fresh, node_copy)
+            _NODE_TOOLS.add(node_copy)
+    return node_copy
+
+
+def _write_tool(target: Path) -> None:
     target.write_text(CKPT_TOOL)
     target.chmod(0o755)
 

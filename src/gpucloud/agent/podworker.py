@@ -420,7 +420,8 @@ class PodWorker:
         mark("agent.spec.ready")
         driver.build(spec, rootfs, runtime_image_config(image.config), edits)
         mark("agent.bundle.built")
-        checkpoints.install_tool(driver.paths(self.cid).run_dir)
+        checkpoints.install_tool(driver.paths(self.cid).run_dir,
+                                 self.node.state_dir / "tools" / "gpucloud-ckpt")
         if self.node.network is not None:
             self.node.network.ready(self.cid)
         mark("agent.bundle.ready")

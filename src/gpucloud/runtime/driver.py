@@ -141,6 +141,10 @@ class RuncDriver:
         self.containers_dir.mkdir(parents=True, exist_ok=True)
         self.runc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.scope = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
+        #: Whether each container built by this object and not started yet has a network
+        #: namespace of its own: its supervisor is told (``_supervise``) instead of
+        #: reading the bundle's ``config.json`` back on the start's critical path.
+        self._private_network: dict[str, bool] = {}
 
     # -- naming -------------------------------------------------------------------------
 
@@ -166,8 +170,11 @@ class RuncDriver:
         paths = self.paths(spec.container_id)
         if paths.supervisor_pid.exists() or paths.exit_record.exists():
             raise Conflict(f"container {spec.container_id} already exists")
-        return build_bundle(paths, rootfs, image, spec,
-                            cgroup_path=self.cgroup_path(spec.container_id), cdi_edits=cdi_edits)
+        bundle = build_bundle(paths, rootfs, image, spec,
+                              cgroup_path=self.cgroup_path(spec.container_id),
+                              cdi_edits=cdi_edits)
+        self._private_network[spec.container_id] = not spec.host_network and not spec.netns
+        return bundle
 
     def start(self, container_id: str, *, pipe_log: bool = False,
               restore_from: Path | None = None) -> ContainerStatus:
@@ -251,8 +258,11 @@ class RuncDriver:
             raise NotFound(f"container {container_id} has no bundle")
         if paths.supervisor_pid.exists():
             raise Conflict(f"container {container_id} was already started")
+        private = self._private_network.pop(container_id, None)
         argv = ["--runc", self.runc, "--root", str(self.runc_root),
-                *(["--gated"] if gated else []), *extra, str(paths.root)]
+                *(["--gated"] if gated else []), *extra,
+                *([] if private is None else ["--private-network", "yes" if private else "no"]),
+                str(paths.root)]
         mark("driver.supervise")
         try:
             line, stderr = self._start_supervisor(argv)
@@ -346,6 +356,7 @@ class RuncDriver:
     def remove(self, container_id: str) -> None:
         """Delete an ended container's runc state and directory (logs included)."""
         paths = self.paths(container_id)
+        self._private_network.pop(container_id, None)
         if not paths.root.is_dir():
             return
         if self.status(container_id).state in (ContainerState.RUNNING, ContainerState.CREATING):

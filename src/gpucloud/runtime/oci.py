@@ -56,13 +56,24 @@ def seccomp_profile() -> dict[str, Any]:
     """Docker's default seccomp profile resolved for the capabilities pods get: a fresh
     copy of it (the caller may change it), resolved once per process (milliseconds of
     every pod's start otherwise; the host's architecture and kernel do not change)."""
-    loaded: dict[str, Any] = json.loads(_resolved_seccomp())
+    loaded: dict[str, Any] = json.loads(seccomp_text())
     return loaded
 
 
 @cache
-def _resolved_seccomp() -> str:
+def seccomp_text() -> str:
+    """``seccomp_profile`` as JSON text, built once per process: a bundle's
+    ``config.json`` takes it as it is (bundle.py), not decoded and encoded again."""
     return json.dumps(seccomp.profile(DEFAULT_CAPABILITIES))
+
+
+@cache
+def shared_seccomp_profile() -> dict[str, Any]:
+    """``seccomp_profile`` decoded once per process and shared by every bundle's
+    ``Bundle.config``: read it, never change it (``seccomp_profile`` is the copy to
+    change)."""
+    loaded: dict[str, Any] = json.loads(seccomp_text())
+    return loaded
 
 
 def standard_mounts(shm_size_bytes: int) -> list[dict[str, Any]]:
@@ -99,11 +110,18 @@ def _hard_limit(kind: int) -> int:
 
 def nofile_limit(nr_open: Path = Path("/proc/sys/fs/nr_open")) -> int:
     """RLIMIT_NOFILE for containers: 1Mi, or the kernel's or our own ceiling if lower."""
+    return min(1_048_576, _kernel_nofile_ceiling(nr_open), _hard_limit(resource.RLIMIT_NOFILE))
+
+
+@cache
+def _kernel_nofile_ceiling(nr_open: Path) -> int:
+    """``fs.nr_open``, read once per process (it was a read of /proc on every pod's
+    start; only the host's administrator changes it, and a container gets at most the
+    agent's own hard limit anyway)."""
     try:
-        ceiling = int(nr_open.read_text().strip())
+        return int(nr_open.read_text().strip())
     except (OSError, ValueError):
-        ceiling = 65_536
-    return min(1_048_576, ceiling, _hard_limit(resource.RLIMIT_NOFILE))
+        return 65_536
 
 
 def rlimits() -> list[dict[str, Any]]:

@@ -203,6 +203,22 @@ def test_private_network_has_loopback_up_and_host_network_shares(
     assert seen - {"lo"}, seen  # the host's own, not a namespace of its own
 
 
+def test_a_bundle_built_by_an_earlier_driver_still_gets_loopback_up(
+    driver: RuncDriver, busybox_rootfs: Path
+) -> None:
+    """The driver that built a bundle tells its supervisor whether the network namespace
+    is the container's own (s46); one that did not build it (the agent restarted between
+    the bundle and the start) leaves the supervisor to read the bundle, as before."""
+    script = "cat /sys/class/net/lo/flags"
+    spec = ContainerSpec("built-before", "pod", command=("sh", "-c", script))
+    driver.build(spec, busybox_rootfs, ImageConfig())
+    restarted = RuncDriver(driver.state_dir, runc=driver.runc, zygote=False)
+    restarted.start("built-before")
+    info = restarted.wait("built-before", timeout=15)
+    assert info is not None and info.exit_code == 0
+    assert int(restarted.log_path("built-before").read_text(), 16) & 0x1  # IFF_UP
+
+
 def _host_interfaces() -> set[str]:
     return {path.name for path in Path("/sys/class/net").iterdir()}
 

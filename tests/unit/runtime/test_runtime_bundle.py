@@ -9,7 +9,7 @@ import pytest
 from gpucloud.gpu.cdi import ContainerEdits
 from gpucloud.gpu.profiles import simulate
 from gpucloud.runtime import oci
-from gpucloud.runtime.bundle import ContainerSpec, ImageConfig, build_bundle
+from gpucloud.runtime.bundle import ContainerSpec, ImageConfig, build_bundle, config_text
 from gpucloud.runtime.errors import BundleError, CommandNotFound
 from gpucloud.runtime.layout import ContainerPaths
 
@@ -164,3 +164,30 @@ def test_nofile_limit_respects_the_kernel_ceiling(tmp_path: Path) -> None:
     nr_open = tmp_path / "nr_open"
     nr_open.write_text("1024\n")
     assert oci.nofile_limit(nr_open) == 1024
+
+
+def test_config_json_holds_the_seccomp_profile_spliced_in_as_text(
+        tmp_path: Path, rootfs: Path) -> None:
+    """The profile is written from the process's cached text (s46), and the rest of the
+    file is the config, whatever the pod's own strings look like and whatever the CDI
+    edits add after ``linux``."""
+    hook = {"hookName": "createRuntime", "path": "/usr/bin/hook", "args": ["hook", "x"]}
+    tricky = '"}, "seccomp": {}, "x": "{'
+    config = _build(tmp_path, rootfs, edits=(ContainerEdits.model_validate({"hooks": [hook]}),),
+                    env={"TRICKY": tricky}, labels={"note": tricky})
+    assert config["linux"]["seccomp"] == oci.seccomp_profile()
+    assert config["hooks"]["createRuntime"] == [{"path": "/usr/bin/hook",
+                                                 "args": ["hook", "x"]}]
+    assert _env(config)["TRICKY"] == tricky
+    assert config["annotations"] == {"gpucloud.note": tricky}
+
+
+def test_a_config_whose_profile_was_replaced_is_written_as_it_is() -> None:
+    profile = oci.seccomp_profile()
+    profile["defaultAction"] = "SCMP_ACT_KILL"
+    config = {"ociVersion": oci.OCI_VERSION, "linux": {"seccomp": profile}}
+    assert json.loads(config_text(config)) == config
+    assert json.loads(config_text({"ociVersion": "1", "linux": {}})) == {
+        "ociVersion": "1", "linux": {}}
+    shared = {"linux": {"seccomp": oci.shared_seccomp_profile()}}
+    assert json.loads(config_text(shared)) == shared
