@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 from bench import pyspy  # noqa: E402
 from tests.fixtures.postgres import free_port, postgres_server  # noqa: E402
 
+from gpucloud.agent.backoff import Backoff  # noqa: E402
 from gpucloud.agent.config import poll_wait  # noqa: E402
 from gpucloud.services import lease_ttl  # noqa: E402
 
@@ -87,6 +88,8 @@ class Http:
         self.writer: asyncio.StreamWriter | None = None
         self.lock = asyncio.Lock()  # one request at a time on the connection
         self.last_error = ""
+        #: the last answer's ``Retry-After`` (s), None when it had none
+        self.retry_after: float | None = None
 
     def _drop(self) -> None:
         if self.writer is not None:
@@ -106,7 +109,7 @@ class Http:
             async with self.lock:
                 return await asyncio.wait_for(self._exchange(head.encode() + payload), timeout)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as error:
-            self.last_error = repr(error)
+            self.last_error, self.retry_after = repr(error), None
             self._drop()
             self.index = (self.index + 1) % len(self.ports)
             return 0, None
@@ -128,12 +131,15 @@ class Http:
         if not status_line:
             raise ConnectionResetError
         length, close = 0, False
+        self.retry_after = None
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode().partition(":")
             if name.lower() == "content-length":
                 length = int(value)
             elif name.lower() == "connection" and "close" in value.lower():
                 close = True
+            elif name.lower() == "retry-after":
+                self.retry_after = float(value)
         raw = await self.reader.readexactly(length)
         if close:
             self._drop()
@@ -213,7 +219,7 @@ class SimAgent:
                  "index": i, "numa_node": i // 4} for i in range(8)]
         body = {"join_token": self.join_token, "name": self.name, "cpu_cores": 128,
                 "memory_bytes": 1024 * GIB, "gpus": gpus}
-        failures = 0
+        backoff = Backoff()  # the agent's own (agent/connection.py connect)
         while True:
             status, out = await self.control.request("POST", "/v1/agent/register", None, body)
             if status == 201:
@@ -221,14 +227,13 @@ class SimAgent:
                 self.ttl = float(out["lease_ttl_seconds"])
                 self.stats.registered += 1
                 return
-            # the agent's back-off (agent/connection.py connect): a fixed short retry of
-            # a fleet whose registrations time out is a storm that keeps the server busy
-            # with registrations whose agents gave them up (each then registers twice)
-            failures += 1
+            # the agent's back-off, no sooner than the server's Retry-After (a refusal
+            # says when to come back: agent/connection.py connect, agent/backoff.py)
             self.stats.register_retries += 1
             codes = self.stats.register_error_codes
-            codes[str(status)] = codes.get(str(status), 0) + 1
-            await asyncio.sleep(backoff(failures, base=1.0, cap=30.0))
+            cause = register_cause(status, out, self.control.last_error)
+            codes[cause] = codes.get(cause, 0) + 1
+            await asyncio.sleep(backoff.next_delay(self.control.retry_after))
 
     async def lease_loop(self) -> None:
         """Every TTL/3 at a fixed rate, as the agent does (agent/renewal.py: each renewal
@@ -309,6 +314,20 @@ class SimAgent:
             self.stats.reports += 1
 
 
+def register_cause(status: int, out: Any, error: str) -> str:
+    """Why a registration is sent again, for the counts: the status, and for no answer
+    the client's error (a timeout, a reset), for a 503 which guard refused it."""
+    if status == 0:
+        return f"0 {error.partition('(')[0] or 'no answer'}"
+    detail = out.get("detail") if isinstance(out, dict) else None
+    if status == 503 and isinstance(detail, str):
+        for guard in ("waited", "under way"):
+            if guard in detail:
+                return f"503 {guard}"
+        return f"503 {detail[:30]}"
+    return str(status)
+
+
 def agent_address(index: int) -> str:
     """Agent ``index``'s loopback address, 127.1.x.y (127.0.0.1 is the API clients')."""
     return f"127.1.{index // 250 % 250}.{index % 250 + 1}"
@@ -339,7 +358,8 @@ async def _worker(config: dict[str, Any]) -> None:
         while True:
             await asyncio.sleep(10)
             _emit({"event": "progress", "registered": stats.registered,
-                   "register_retries": stats.register_retries, "renewals": stats.renewals,
+                   "register_retries": stats.register_retries,
+                   "register_error_codes": stats.register_error_codes, "renewals": stats.renewals,
                    "renewal_errors": stats.renewal_errors})
 
     reporting = asyncio.create_task(progress())
@@ -617,8 +637,9 @@ class Workers:
         while len(self.of("registered")) < len(self.procs):
             if time.monotonic() > shown + 30:
                 shown = time.monotonic()
-                print(f"registered: {self.registered()} (retries {self.register_retries()},"
-                      f" renewals {self.progress('renewals')}, renewal errors "
+                print(f"registered: {self.registered()} (retries {self.register_retries()}"
+                      f" {self.register_causes()}, renewals {self.progress('renewals')},"
+                      f" renewal errors "
                       f"{self.progress('renewal_errors')}) {usage() if usage else ''}",
                       flush=True)
             if time.monotonic() > deadline:
@@ -643,6 +664,10 @@ class Workers:
 
     def register_retries(self) -> int:
         return sum(m.get("register_retries", 0) for m in self._last_progress())
+
+    def register_causes(self) -> dict[str, int]:
+        """Why the registrations were sent again (``register_cause``), summed."""
+        return _summed(m.get("register_error_codes", {}) for m in self._last_progress())
 
     def send(self, line: str) -> None:
         for proc in self.procs:

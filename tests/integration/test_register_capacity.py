@@ -5,6 +5,7 @@ written; a re-registration forgets that node's cached token only, on every repli
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -154,6 +155,46 @@ def test_a_registration_that_waited_past_the_agents_timeout_is_refused_writing_n
     assert _uses(api, token["id"]) == 1  # nor a use of the join token spent
     again = api.post("/v1/agent/register", json=_body(token["token"], "late"))
     assert again.status_code == 201, again.text
+
+
+async def _register_gone(app: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A registration over raw ASGI whose client has closed its connection by the time
+    the route runs (it waited past its timeout in a starved replica's accept queue):
+    after the body, the server's next message is the disconnect. The messages sent."""
+    payload = json.dumps(body).encode()
+    messages = [{"type": "http.request", "body": payload, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/agent/register",
+             "raw_path": b"/v1/agent/register", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.9", 40000), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    return sent
+
+
+def test_a_registration_its_agent_gave_up_before_its_turn_writes_nothing(
+        api: TestClient, app_ctx: ServiceContext) -> None:
+    """Its agent gave it up and sent it again: done, it would replace the node token of
+    the retry (or spend a use) for an answer nobody reads."""
+    token = api.post("/v1/nodes/join-tokens", json={"uses": 5}).json()
+    portal = api.portal
+    assert portal is not None
+    sent = portal.call(_register_gone, api.app, _body(token["token"], "gone-0"))
+    start = sent[0]
+    assert start["status"] == 503
+    assert (b"retry-after", str(register_capacity.RETRY_AFTER_S).encode()) in start["headers"]
+    assert _node(app_ctx, "gone-0") is None and _uses(api, token["id"]) == 0
+    assert api.post("/v1/agent/register",
+                    json=_body(token["token"], "gone-0")).status_code == 201
 
 
 def test_a_re_registration_done_too_late_is_rolled_back_and_the_old_token_kept(

@@ -66,6 +66,11 @@ async def register(body: NodeRegisterRequest, ctx: Ctx,
     Retry-After), and one that waited longer than its agent waits is refused, or rolled
     back before its commit, not done for an agent that has given it up."""
     received_at = ctx.clock.now()
+    if await request.is_disconnected():
+        # It waited before this route (a starved replica's accept queue and event loop,
+        # which no guard here sees) past its agent's timeout: the agent gave it up and
+        # sent it again, so doing it would replace the node token nobody receives.
+        raise register_capacity.busy("the agent gave the registration up before its turn")
     keys = ratelimit.api_keys(request.client.host if request.client else None,
                               body.join_token)
 
