@@ -25,16 +25,16 @@ cache), its lazyfs daemon started (once per node boot on a real node: supervised
 agent, it outlives pods; its start is timed and reported on its own,
 ``lazyfs_daemon_start_seconds_p50``), the page cache dropped
 (``/proc/sys/vm/drop_caches``), then pod create → ``READY`` served by the pod-logs API
-(polled every 10 ms). After each run the node's daemon is stopped: it outlives its agent by
-design, and a finished run's daemon would otherwise go on prefetching into the next run's
-link, CPU and byte counts. Reported per form and RTT: p50/p95 over the runs, the CPU seconds of
-the node's processes (the agent and its descendants, and any process naming the node's
-state directory: the lazyfs daemon), and the registry bytes the relay forwarded before
-``READY``. Then, on the last 2 ms run of each form, the files are read once whole (fully
-cached: local disk, or the lazy chunk cache, after the daemon's bulk prefetch is done)
-and, page cache dropped before each, read again from the host through the pod's root
-filesystem: sequential (1 MiB reads), 4 KiB random reads, and a stat/readdir walk of the
-tree.
+(read every 10 ms; ``--long-poll``: waiting reads). After each run the node's daemon is
+stopped: it outlives its agent by design, and a finished run's daemon would otherwise go
+on prefetching into the next run's link, CPU and byte counts. Reported per form and RTT:
+p50/p95 over the runs, the CPU seconds of the node's processes (the agent and its
+descendants, and any process naming the node's state directory: the lazyfs daemon), and
+the registry bytes the relay forwarded before ``READY``. Then, on the last 2 ms run of
+each form, the files are read once whole (fully cached: local disk, or the lazy chunk
+cache, after the daemon's bulk prefetch is done) and, page cache dropped before each, read
+again from the host through the pod's root filesystem: sequential (1 MiB reads), 4 KiB
+random reads, and a stat/readdir walk of the tree.
 
 The lazy form is ``gpucloud.images.lazy.optimize`` of the ordinary image, the read files
 prioritized (level 1: incompressible weights gain nothing from more), large files in 1 MiB
@@ -591,9 +591,33 @@ def lazyfs_prefetched(state_dir: Path) -> tuple[int, int]:
             sum(int(layer.get("prefetched_priority", 0)) for layer in layers.values()))
 
 
+LOG_POLL_SECONDS = 0.01
+
+
+def wait_ready(cloud: Cloud, pod_id: str, name: str, deadline: float, long_poll: bool) -> None:
+    """Until the pod's log holds ``READY``: read every ``LOG_POLL_SECONDS`` (the series'
+    way since 2026-12-01), or ``long_poll``: waiting reads of the logs API (``wait``, each
+    answered as soon as output past the offset is committed). The bench's API server runs
+    on the node's two cores: polled every 10 ms it took 0.85-0.97 CPU-s of a ~2.2 s lazy
+    start (s46), CPU the node then lacks; a long poll costs one request per output."""
+    text, offset, attempt = "", 0, None
+    while READY not in text:
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"{name}: no {READY} in 900 s: {cloud.client.get_pod(pod_id)}")
+        if not long_poll:
+            text = cloud.client.pod_logs(pod_id).text
+            if READY not in text:
+                time.sleep(LOG_POLL_SECONDS)
+            continue
+        got = cloud.client.pod_logs(pod_id, offset=offset, attempt=attempt, wait=5)
+        text, offset, attempt = text + got.text, got.next_offset, got.attempt
+        if got.finished and READY not in text:
+            raise RuntimeError(f"{name}: the pod finished without {READY}: {text[-200:]!r}")
+
+
 def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
-             measure_reads: Workload | None, trace_to: Path | None = None
-             ) -> tuple[Run, dict[str, Any] | None]:
+             measure_reads: Workload | None, trace_to: Path | None = None,
+             long_poll: bool = False) -> tuple[Run, dict[str, Any] | None]:
     trace.set_path(str(trace_to) if trace_to else None)  # before the agent and daemon start
     agent = cloud.agent(name)
     assert agent.process is not None
@@ -609,11 +633,7 @@ def cold_run(cloud: Cloud, relay: Relay, image: str, name: str,
         start = time.perf_counter()
         trace.mark("bench.create")
         pod = cloud.create_pod(name, image, ["sh", "/app/start.sh"])
-        deadline = start + 900
-        while READY not in cloud.client.pod_logs(pod.id).text:
-            if time.perf_counter() > deadline:
-                raise RuntimeError(f"{name}: no {READY} in 900 s: {cloud.client.get_pod(pod.id)}")
-            time.sleep(0.01)
+        wait_ready(cloud, pod.id, name, start + 900, long_poll)
         seconds = time.perf_counter() - start
         trace.mark("bench.ready")
         fetched = relay.bytes_down - before_bytes
@@ -761,6 +781,9 @@ def parse_args() -> argparse.Namespace:
                         help="A/B in one sitting: runs 1, 3, 5, ... with VAR=VALUE in the "
                         "environment (the agent and lazyfs daemon inherit it), runs 0, 2, "
                         "... without; each variant summarized apart (`ab` in the JSON)")
+    parser.add_argument("--long-poll", action="store_true",
+                        help="wait for READY with waiting reads of the logs API instead of a "
+                        "read every 10 ms (the bench's server shares the node's CPU)")
     parser.add_argument("--no-cached-reads", action="store_true",
                         help="skip the cached-read pass after the last run (bulk prefetch "
                         "wait and whole-image reads: a minute at full size)")
@@ -801,6 +824,7 @@ def main() -> None:
                   "read_bytes": work.read_bytes,
                   "read_fraction": round(work.read_bytes / work.total_bytes, 4)},
         "measured": "pod create -> READY served by GET /v1/pods/{id}/logs, cold node",
+        "ready_read": "long poll (wait)" if args.long_poll else "every 10 ms",
         "estargz_chunk_bytes": chunk_size,
     }
     with tempfile.TemporaryDirectory(prefix="gpucloud-lazybench-", dir="/var/tmp") as tmp, \
@@ -862,7 +886,7 @@ def run_forms(args: argparse.Namespace, work: Workload, cloud: Cloud, relay: Rel
                     trace_to.parent.mkdir(parents=True, exist_ok=True)
                     trace_to.unlink(missing_ok=True)
                 run, measured = cold_run(cloud, relay, image, name,
-                                         work if last else None, trace_to)
+                                         work if last else None, trace_to, args.long_poll)
                 runs.append(run)
                 reads = measured or reads
                 variant = f" [{args.ab if number % 2 else 'A'}]" if args.ab else ""
