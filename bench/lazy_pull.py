@@ -25,16 +25,17 @@ cache), its lazyfs daemon started (once per node boot on a real node: supervised
 agent, it outlives pods; its start is timed and reported on its own,
 ``lazyfs_daemon_start_seconds_p50``), the page cache dropped
 (``/proc/sys/vm/drop_caches``), then pod create → ``READY`` served by the pod-logs API
-(read every 10 ms; ``--long-poll``: waiting reads). After each run the node's daemon is
-stopped: it outlives its agent by design, and a finished run's daemon would otherwise go
-on prefetching into the next run's link, CPU and byte counts. Reported per form and RTT:
-p50/p95 over the runs, the CPU seconds of the node's processes (the agent and its
-descendants, and any process naming the node's state directory: the lazyfs daemon), and
-the registry bytes the relay forwarded before ``READY``. Then, on the last 2 ms run of
-each form, the files are read once whole (fully cached: local disk, or the lazy chunk
-cache, after the daemon's bulk prefetch is done) and, page cache dropped before each, read
-again from the host through the pod's root filesystem: sequential (1 MiB reads), 4 KiB
-random reads, and a stat/readdir walk of the tree.
+(waiting reads, as ``gpucloud pod logs -f`` and bench/pod_start.py follow a log;
+``--short-poll``: a read every 10 ms, the series' way until 2026-12-07). After each run
+the node's daemon is stopped: it outlives its agent by design, and a finished run's daemon
+would otherwise go on prefetching into the next run's link, CPU and byte counts. Reported
+per form and RTT: p50/p95 over the runs, the CPU seconds of the node's processes (the
+agent and its descendants, and any process naming the node's state directory: the lazyfs
+daemon), and the registry bytes the relay forwarded before ``READY``. Then, on the last 2
+ms run of each form, the files are read once whole (fully cached: local disk, or the lazy
+chunk cache, after the daemon's bulk prefetch is done) and, page cache dropped before
+each, read again from the host through the pod's root filesystem: sequential (1 MiB
+reads), 4 KiB random reads, and a stat/readdir walk of the tree.
 
 The lazy form is ``gpucloud.images.lazy.optimize`` of the ordinary image, the read files
 prioritized (level 1: incompressible weights gain nothing from more), large files in 1 MiB
@@ -595,11 +596,12 @@ LOG_POLL_SECONDS = 0.01
 
 
 def wait_ready(cloud: Cloud, pod_id: str, name: str, deadline: float, long_poll: bool) -> None:
-    """Until the pod's log holds ``READY``: read every ``LOG_POLL_SECONDS`` (the series'
-    way since 2026-12-01), or ``long_poll``: waiting reads of the logs API (``wait``, each
-    answered as soon as output past the offset is committed). The bench's API server runs
-    on the node's two cores: polled every 10 ms it took 0.85-0.97 CPU-s of a ~2.2 s lazy
-    start (s46), CPU the node then lacks; a long poll costs one request per output."""
+    """Until the pod's log holds ``READY``: ``long_poll``, waiting reads of the logs API
+    (``wait``, each answered as soon as output past the offset is committed), else a read
+    every ``LOG_POLL_SECONDS`` (the series' way from 2026-12-01 to 12-07). The bench's API
+    server runs on the node's two cores: polled every 10 ms it took 0.85-0.97 CPU-s of a
+    ~2.2 s lazy start (s46), CPU the node then lacks; a long poll costs one request per
+    output."""
     text, offset, attempt = "", 0, None
     while READY not in text:
         if time.perf_counter() > deadline:
@@ -781,9 +783,10 @@ def parse_args() -> argparse.Namespace:
                         help="A/B in one sitting: runs 1, 3, 5, ... with VAR=VALUE in the "
                         "environment (the agent and lazyfs daemon inherit it), runs 0, 2, "
                         "... without; each variant summarized apart (`ab` in the JSON)")
-    parser.add_argument("--long-poll", action="store_true",
-                        help="wait for READY with waiting reads of the logs API instead of a "
-                        "read every 10 ms (the bench's server shares the node's CPU)")
+    parser.add_argument("--short-poll", dest="long_poll", action="store_false",
+                        help="wait for READY with a read of the logs API every 10 ms instead "
+                        "of waiting reads (the series' way until 2026-12-07: its polling "
+                        "took ~0.13 s of a 1.3 s lazy start on the node's 2 cores)")
     parser.add_argument("--no-cached-reads", action="store_true",
                         help="skip the cached-read pass after the last run (bulk prefetch "
                         "wait and whole-image reads: a minute at full size)")
