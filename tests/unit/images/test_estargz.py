@@ -11,10 +11,15 @@ import os
 import random
 import struct
 import tarfile
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from gpucloud.images import testing as t
@@ -27,6 +32,7 @@ from gpucloud.images.lazy.estargz import (
     read_toc,
     read_toc_file,
 )
+from gpucloud.images.lazy.fetch import RangeFetcher
 from gpucloud.images.lazy.footer import (
     FOOTER_SIZE,
     LEGACY_FOOTER_SIZE,
@@ -34,6 +40,7 @@ from gpucloud.images.lazy.footer import (
     footer_bytes,
     parse_footer,
 )
+from gpucloud.images.lazy.layer import read_toc as layer_read_toc
 from gpucloud.images.lazy.toc import (
     NO_PREFETCH_LANDMARK,
     PREFETCH_LANDMARK,
@@ -378,3 +385,68 @@ def test_corrupted_chunk_is_refused(tmp_path: Path) -> None:
     other = toc.chunks_of("bin/tool")[2]
     with pytest.raises(DigestMismatch):  # right bytes, wrong chunk
         decompress_chunk(good, other)
+
+
+# -- the daemon's TOC read (layer.read_toc, over HTTP Range) ------------------------------
+
+
+class _BlobHandler(BaseHTTPRequestHandler):
+    """Serves one blob (the server's ``blob``) whole, or one ``Range`` of it."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        blob: bytes = self.server.blob  # type: ignore[attr-defined]
+        wanted = self.headers.get("Range")
+        status, body, extra = 200, blob, {}
+        if wanted:
+            first, _, last = wanted.removeprefix("bytes=").partition("-")
+            body = blob[int(first):int(last) + 1]
+            status = 206
+            extra = {"Content-Range": f"bytes {first}-{int(first) + len(body) - 1}/{len(blob)}"}
+        self.send_response(status)
+        for key, value in extra.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+
+@contextmanager
+def _range_fetcher(blob: bytes) -> Iterator[RangeFetcher]:
+    """A ``RangeFetcher`` of ``blob`` served by a loopback HTTP server."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BlobHandler)
+    server.blob = blob  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with httpx.Client() as http:
+            yield RangeFetcher(http, http, f"http://127.0.0.1:{server.server_port}/blob",
+                               len(blob))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_daemons_toc_read_takes_a_legacy_footer(tmp_path: Path) -> None:
+    """A 47-byte footer ends the TOC member 4 bytes later than a 51-byte one would: cut at
+    51, the member lost its size field (and was parsed only because nothing checked)."""
+    _, out, layer = _convert(tmp_path)
+    blob = out.read_bytes()[:-FOOTER_SIZE] + _legacy_footer(layer.toc.toc_offset)
+    with _range_fetcher(blob) as fetcher:
+        toc, data = layer_read_toc(fetcher, layer.toc_digest)
+    assert "sha256:" + hashlib.sha256(data).hexdigest() == layer.toc_digest
+    assert {e.name for e in toc.entries} == {e.name for e in layer.toc.entries}
+
+
+def test_the_daemons_toc_read_refuses_a_truncated_toc_member(tmp_path: Path) -> None:
+    _, out, layer = _convert(tmp_path)
+    blob = out.read_bytes()
+    offset = layer.toc.toc_offset
+    member = blob[offset:-FOOTER_SIZE]
+    cut = blob[:offset] + member[:-4] + footer_bytes(offset)
+    with _range_fetcher(cut) as fetcher, pytest.raises(InvalidToc, match="truncated"):
+        layer_read_toc(fetcher, layer.toc_digest)

@@ -48,16 +48,22 @@ def footer_bytes(toc_offset: int) -> bytes:
 def parse_footer(tail: bytes) -> int:
     """The TOC offset from the last bytes of a blob (at least 47 of them; 51 or more to
     recognise the current footer). Raises :class:`InvalidToc` for anything else."""
+    return parse_footer_sized(tail)[0]
+
+
+def parse_footer_sized(tail: bytes) -> tuple[int, int]:
+    """(TOC offset, the footer's own size: 51, or 47 for the legacy one) from the last
+    bytes of a blob: the TOC's gzip member ends where the footer begins."""
     if _EXTERNAL_MAGIC in tail[-64:]:
         raise ExternalToc("layer has an external TOC (STARGZEXTERNALTOC); not supported lazily")
     if len(tail) >= FOOTER_SIZE:
         offset = _parse_current(tail[-FOOTER_SIZE:])
         if offset is not None:
-            return offset
+            return offset, FOOTER_SIZE
     if len(tail) >= LEGACY_FOOTER_SIZE:
         offset = _parse_legacy(tail[-LEGACY_FOOTER_SIZE:])
         if offset is not None:
-            return offset
+            return offset, LEGACY_FOOTER_SIZE
     if len(tail) < LEGACY_FOOTER_SIZE:
         raise InvalidToc(f"eStargz footer is truncated ({len(tail)} bytes)")
     raise InvalidToc("blob does not end with an eStargz footer")
