@@ -461,3 +461,70 @@ def test_xattrs_are_served_only_by_layers_that_have_them(registry: Registry, tmp
         os.getxattr(mnt / "d/x", "trusted.overlay.opaque")
     assert exc.value.errno == errno.ENODATA
     assert (mnt / "d/x").read_text() == "x\n"
+
+
+# -- a layer bigger than the node's chunk cache -------------------------------------------
+
+SMALL_CACHE = 512 << 10
+
+
+def test_layer_bigger_than_the_cache_is_pulled_whole_and_the_rest_mounts_lazily(
+        registry: Registry, tmp_path: Path) -> None:
+    """Mounted lazily, a layer larger than the whole chunk cache would be pushed through it
+    by its prefetch, evicting its own chunks and everyone else's: the daemon refuses it
+    (``LayerTooLarge``, naming both sizes) and the agent pulls that layer whole, with an
+    event; the image's other layer, which fits, is still mounted lazily."""
+    big: dict[str, bytes | str | object] = {"data/weights.bin": os.urandom(600 << 10),
+                                            "data/a.txt": "alpha\n"}
+    small: dict[str, bytes | str | object] = {"data/b.txt": "beta\n" * 1000,
+                                              "etc/config.json": json.dumps({"layers": 12})}
+    lazy = estargz_image([big, small], tmp_path)
+    lazy.image.push(registry.host, "lazy-too-big:v1")
+    client = LazyfsClient(tmp_path / "node", cache_limit=SMALL_CACHE)
+    bundle = tmp_path / "bundle"
+    with ImageManager(tmp_path / "node", lazy=client, rootfs_mode=RootfsMode.OVERLAY) as images:
+        try:
+            image = images.pull(f"{registry.host}/lazy-too-big:v1")
+            rootfs = images.prepare_rootfs(image, bundle)
+            big_layer, small_layer = image.manifest.layers
+            assert images._blobs.has(big_layer.digest)  # pulled whole
+            assert not images._blobs.has(small_layer.digest)  # left to the lazy mount
+            want = {**expected_hashes(big), **expected_hashes(small)}
+            got = tree_hashes(rootfs)
+            assert {name: got.get(name) for name in want} == want
+            events = images.lazy_events(bundle)
+            assert [reason for reason, _ in events] == ["LazyPullFallback"]
+            message = events[0][1]
+            assert big_layer.digest in message and "LayerTooLarge" in message
+            assert f"{(600 << 10) + 6:,} bytes" in message and f"{SMALL_CACHE:,} bytes" in message
+            status = client.status()
+            assert list(status["layers"]) == [small_layer.digest]
+            assert status["cache"]["used"] < 64 << 10  # nothing of the big layer went in
+        finally:
+            images.release_rootfs(bundle)
+            client.shutdown()
+
+
+def test_a_layer_that_just_fits_the_cache_mounts_and_one_byte_more_is_refused(
+        registry: Registry, tmp_path: Path) -> None:
+    """The bound is the whole cache, counted in uncompressed chunk bytes (each distinct
+    chunk once: the copy below costs nothing): a layer of exactly the limit mounts and reads
+    back; one byte more does not."""
+    weights = os.urandom(200 << 10)
+    exact: dict[str, bytes | str | object] = {"w.bin": weights, "copy.bin": weights}
+    over: dict[str, bytes | str | object] = {"w.bin": os.urandom(200 << 10), "x": b"!"}
+    fits, fits_toc = _push(registry, tmp_path, "lazy-fits", [exact])
+    too_big, too_big_toc = _push(registry, tmp_path, "lazy-over", [over])
+    client = LazyfsClient(tmp_path / "state", cache_limit=200 << 10, read_deadline=3.0)
+    try:
+        mnt = _mount(client, registry.host, "lazy-fits", fits, fits_toc)
+        assert tree_hashes(mnt) == expected_hashes(exact)
+        with pytest.raises(LazyfsError) as refused:
+            _mount(client, registry.host, "lazy-over", too_big, too_big_toc, holder="pod-b")
+        assert refused.value.code == "LayerTooLarge"
+        assert f"{(200 << 10) + 1:,} bytes" in refused.value.message
+        digest = fits.image.layers[0].digest  # type: ignore[attr-defined]
+        assert list(client.status()["layers"]) == [digest]
+        assert tree_hashes(mnt) == expected_hashes(exact)
+    finally:
+        client.shutdown()

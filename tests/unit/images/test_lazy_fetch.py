@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -249,6 +250,62 @@ def test_range_responses_reuse_one_connection(long_body: bool) -> None:
         # One for the HEAD and every range; a longer body: the HEAD's connection serves
         # the first range and is closed after it, then one connection per range.
         assert len(connections) == (5 if long_body else 1)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _SlowBlob(BaseHTTPRequestHandler):
+    """Answers a Range request with its ``206`` headers, then either trickles the body
+    (a byte every 20 ms: every read well within its timeout, the body in seconds) or sends
+    nothing more (``silent``) until the client hangs up."""
+
+    protocol_version = "HTTP/1.1"
+    silent = False
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(BLOB)))
+        self.end_headers()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        start, end = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end}/{len(BLOB)}")
+        self.send_header("Content-Length", str(end + 1 - start))
+        self.end_headers()
+        try:
+            for byte in BLOB[start : end + 1]:
+                if self.silent:
+                    self.rfile.read(1)  # until the client closes the connection
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.02)
+        except (BrokenPipeError, ConnectionResetError):
+            return
+
+
+@pytest.mark.parametrize("silent", [False, True])
+def test_the_read_deadline_bounds_the_whole_download(silent: bool) -> None:
+    """Not only the retries: a body still arriving at the deadline (trickled: each read
+    in time, the whole 4 s) or not arriving (the client's own read timeout is 5 s) is
+    given up at the deadline, so a reader waiting on it gets its ``EIO`` then."""
+    handler = type("H", (_SlowBlob,), {"silent": silent})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}{PATH}"
+        with httpx.Client() as registry, httpx.Client() as storage:
+            fetcher = RangeFetcher(registry, storage, url, len(BLOB), attempts=3,
+                                   backoff=0.01, deadline=0.3)
+            started = time.monotonic()
+            with pytest.raises(RegistryUnavailable):
+                fetcher.fetch(0, 200)
+            assert time.monotonic() - started < 2
     finally:
         server.shutdown()
         server.server_close()

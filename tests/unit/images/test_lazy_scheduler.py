@@ -1,4 +1,5 @@
-"""``FetchScheduler``: demand before prefetch, promotion, cancellation, range merging.
+"""``FetchScheduler``: demand before prefetch, promotion, cancellation, range merging,
+the read deadline.
 
 Driven by hand (``threads=False``: ``take``/``finish``/``run_one`` in the test's thread) with a
 controllable clock, against a source that records the requests it would send.
@@ -7,12 +8,19 @@ controllable clock, against a source that records the requests it would send.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 
 import pytest
 
-from gpucloud.images.lazy.scheduler import Deliver, FetchScheduler, Item, Priority
+from gpucloud.images.lazy.scheduler import (
+    Deliver,
+    FetchScheduler,
+    Item,
+    Priority,
+    ReadDeadlineExceeded,
+)
 
 
 class Clock:
@@ -332,3 +340,61 @@ def test_a_demand_reader_waiting_on_a_prefetch_wakes_when_its_chunk_lands() -> N
     sched._run(batch)  # the reader returns inside the decode, after c0 and before c100
     thread.join(5)
     assert reader_done.is_set() and released.is_set() and not thread.is_alive()
+
+
+class Hanging(Recorder):
+    """A source whose requests hang until ``release`` is set (``entered``: one is hanging)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def fetch_span(self, items: list[Item], priority: Priority) -> bytes:
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the hung fetch"
+        return super().fetch_span(items, priority)
+
+
+def _hung_demand_read(sched: FetchScheduler, src: Hanging, items: list[Item]
+                      ) -> tuple[threading.Thread, dict[str, bytes]]:
+    """A reader thread whose own demand fetch of ``items`` hangs in ``src``."""
+    got: dict[str, bytes] = {}
+    thread = threading.Thread(target=lambda: got.update(sched.fetch(src, items, Priority.DEMAND)))
+    thread.start()
+    assert src.entered.wait(5)
+    return thread, got
+
+
+def test_a_reader_sharing_a_hung_fetch_gets_eio_at_its_deadline() -> None:
+    """Single flight with a deadline: a second reader of a chunk whose fetch hangs gives up
+    after ``read_deadline`` (an ``OSError``: ``EIO``); the fetch goes on, is still shared
+    (one request), and its verified bytes go to whoever still waits."""
+    src = Hanging()
+    sched = FetchScheduler(4, 1, gap=100, read_deadline=0.05, threads=False)
+    first, got = _hung_demand_read(sched, src, _items((0, 100)))
+    started = time.monotonic()
+    with pytest.raises(ReadDeadlineExceeded) as exc:
+        sched.fetch(src, _items((0, 100)), Priority.DEMAND)
+    assert isinstance(exc.value, OSError) and time.monotonic() - started < 5
+    shared = sched.submit(src, _items((0, 100)), Priority.DEMAND)  # still the one in flight
+    src.release.set()
+    first.join(5)
+    assert got == {"c0": bytes(range(100))} and shared[0].result() == bytes(range(100))
+    assert len(src.requests) == 1
+
+
+def test_a_timed_out_readers_queued_chunk_drops_to_the_background() -> None:
+    """A reader that gave up while its chunk was still queued (the demand places all
+    taken) leaves no demand behind that nobody runs (it would hold every prefetch back):
+    the chunk is fetched later as ``BULK``, into the cache for later readers."""
+    src = Hanging()
+    sched = FetchScheduler(1, 1, gap=100, read_deadline=0.05, bulk_quiet=0.0, threads=False)
+    first, _ = _hung_demand_read(sched, src, _items((0, 100)))
+    with pytest.raises(ReadDeadlineExceeded):
+        sched.fetch(src, _items((5000, 5100)), Priority.DEMAND)  # queued behind the first
+    src.release.set()
+    first.join(5)
+    assert not sched.demand_outstanding()
+    assert sched.run_one() and src.requests[-1] == (Priority.BULK, 5000, 5100, ["c5000"])
+    assert not sched.run_one()
+

@@ -7,7 +7,9 @@ root-only Unix socket, ``<state>/lazyfs/control.sock``, one JSON object per line
 
 * ``mount`` {digest, registry, repository, size, toc_digest, holder, insecure,
   username?, password?}: mount the layer (once; later callers share the mount and are
-  counted as holders) at ``<state>/lazyfs/mnt/<hex>``; answers {path} or {error, message}.
+  counted as holders) at ``<state>/lazyfs/mnt/<hex>``; answers {path} or {error, message}
+  (e.g. ``LayerTooLarge``: the layer's files exceed the whole chunk cache, see
+  ``check_fits``).
 * ``release`` {holder}: drop the holder from every layer; a layer nobody holds is
   unmounted (its chunks stay in the cache).
 * ``status``: per layer {local, total, holders, demand_fetched, prefetched, ...}.
@@ -55,7 +57,7 @@ from gpucloud.images.lazy.fetch import RangeFetcher, RangeUnsupported
 from gpucloud.images.lazy.fs import raise_readahead, serve
 from gpucloud.images.lazy.layer import LazyLayer, check_toc_offsets, read_toc
 from gpucloud.images.lazy.scheduler import FetchScheduler
-from gpucloud.images.lazy.toc import Toc, parse_toc
+from gpucloud.images.lazy.toc import HIDDEN_ROOT_NAMES, Toc, parse_toc
 from gpucloud.images.lazy.trace import mark
 from gpucloud.images.rootfs import unmount
 from gpucloud.images.store import digest_hex
@@ -65,6 +67,15 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_LIMIT = 20 << 30
 MOUNT_TIMEOUT = 10.0
 _MAX_EVENTS = 200
+
+
+class LayerTooLarge(ImageError):
+    """The layer's files need more room than the node's whole chunk cache. Mounted lazily,
+    its background prefetch would push the layer through the LRU cache, evicting its own
+    chunks (fetched again on every later read) and every other pod's; the agent pulls it
+    whole instead."""
+
+    reason = "LayerTooLarge"
 
 
 @dataclass
@@ -101,9 +112,11 @@ class LazyfsDaemon:
         # One for the node (demand anywhere pauses prefetch); two prefetch fetches on the
         # wire at once, each place with a second thread that decodes the last one's chunks
         # (scheduler.py). GPUCLOUD_LAZYFS_SERIAL_DECODE=1: the old way, for A/B runs.
+        # A reader waits at most the read deadline for its chunks, then gets EIO.
         self.scheduler = FetchScheduler(
             prefetch_workers=2,
-            pipelined=os.environ.get("GPUCLOUD_LAZYFS_SERIAL_DECODE") != "1")
+            pipelined=os.environ.get("GPUCLOUD_LAZYFS_SERIAL_DECODE") != "1",
+            read_deadline=read_deadline)
         self._read_deadline = read_deadline
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mounted] = {}
@@ -237,6 +250,7 @@ class LazyfsDaemon:
         mark("daemon.mount.start", digest=spec.digest)
         fetcher = self._fetcher(spec, credentials)
         toc = self._toc(spec, fetcher)
+        check_fits(toc, self.cache.limit)
         mark("daemon.mount.toc", digest=spec.digest)
         layer = LazyLayer(spec.digest, toc, fetcher, self.cache,
                           lambda reason, message: self.event(reason, message, spec.digest),
@@ -336,6 +350,26 @@ class LazyfsDaemon:
         except (FileNotFoundError, ValueError):
             return []
         return [LayerSpec(**item) for item in raw if isinstance(item, dict)]
+
+
+def cache_bytes(toc: Toc) -> int:
+    """Uncompressed bytes the layer's files take in the chunk cache once all are fetched:
+    each distinct chunk once (the cache is content-addressed; landmarks are never cached)."""
+    sizes = {ref.digest: ref.chunk_size for path, refs in toc.chunk_map().items()
+             if path not in HIDDEN_ROOT_NAMES for ref in refs}
+    return sum(sizes.values())
+
+
+def check_fits(toc: Toc, cache_limit: int) -> None:
+    """``LayerTooLarge`` unless the whole layer fits in the chunk cache. Checked on the TOC,
+    not on the blob's compressed size known before it: the cache holds uncompressed chunks,
+    which text-heavy layers have 3-4 times more of, and a refused layer's TOC (a small tail
+    read) costs little beside the full pull that follows."""
+    need = cache_bytes(toc)
+    if need > cache_limit:
+        raise LayerTooLarge(
+            f"the layer's files need {need:,} bytes of chunk cache (uncompressed), more "
+            f"than the node's whole cache limit of {cache_limit:,} bytes (--cache-limit)")
 
 
 def _mounts_under(root: Path) -> list[Path]:

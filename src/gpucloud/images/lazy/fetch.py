@@ -21,6 +21,10 @@ What registries really do, and what this module does about it:
 * ``429``/``5xx`` and broken connections are retried with exponential back-off (honouring
   ``Retry-After``) until the attempts or the read deadline run out; then the caller gets
   ``RegistryUnavailable`` (the FUSE layer turns it into ``EIO`` and an event).
+* The read deadline bounds the whole fetch, not only its retries: every request's
+  timeouts are cut to the time left, and a body still arriving at the deadline (a server
+  trickling bytes, each read within its timeout) is given up. A FUSE reader runs its own
+  fetch in its thread (``scheduler.py``), so this is what bounds its wait there.
 """
 
 from __future__ import annotations
@@ -113,7 +117,7 @@ class RangeFetcher:
 
     def supports_ranges(self) -> bool:
         """Ask for the blob's first byte: True on ``206``, False when the whole blob comes."""
-        with self._request(0, 1) as response:
+        with self._request(0, 1, self._clock() + self._deadline) as response:
             return response.status_code == 206
 
     def fetch(self, start: int, end: int, *, ranges_only: bool = False) -> bytes:
@@ -128,7 +132,7 @@ class RangeFetcher:
         give_up = self._clock() + self._deadline
         for attempt in range(1, self._attempts + 1):
             try:
-                return self._fetch_once(start, end, ranges_only)
+                return self._fetch_once(start, end, ranges_only, give_up)
             except _Retryable as exc:
                 if attempt == self._attempts or self._clock() + exc.wait(self, attempt) > give_up:
                     raise RegistryUnavailable(
@@ -138,35 +142,39 @@ class RangeFetcher:
                 self._sleep(exc.wait(self, attempt))
         raise AssertionError("unreachable")
 
-    def _fetch_once(self, start: int, end: int, ranges_only: bool = False) -> bytes:
-        with self._request(start, end) as response:
+    def _fetch_once(self, start: int, end: int, ranges_only: bool, give_up: float) -> bytes:
+        with self._request(start, end, give_up) as response:
             if response.status_code == 206:
-                return self._read_partial(response, start, end)
+                return self._read_partial(response, start, end, give_up)
             if ranges_only:
                 raise RangeUnsupported(f"{self.url} ignores Range requests (HTTP "
                                        f"{response.status_code} with the whole blob)")
-            return self._read_from_whole(response, start, end)
+            return self._read_from_whole(response, start, end, give_up)
 
-    def _read_partial(self, response: httpx.Response, start: int, end: int) -> bytes:
+    def _read_partial(self, response: httpx.Response, start: int, end: int,
+                      give_up: float) -> bytes:
         first = _content_range_start(response.headers.get("Content-Range", ""))
         if first != start:
             raise _Retryable(f"asked for offset {start}, got a range from {first}")
-        return self._read_exactly(response, end - start, 0, finish=True)
+        return self._read_exactly(response, end - start, 0, give_up, finish=True)
 
-    def _read_from_whole(self, response: httpx.Response, start: int, end: int) -> bytes:
+    def _read_from_whole(self, response: httpx.Response, start: int, end: int,
+                         give_up: float) -> bytes:
         """A ``200``: skip to ``start`` while streaming, keep ``end - start`` bytes, close."""
-        return self._read_exactly(response, end - start, start)
+        return self._read_exactly(response, end - start, start, give_up)
 
-    def _read_exactly(self, response: httpx.Response, count: int, skip: int,
+    def _read_exactly(self, response: httpx.Response, count: int, skip: int, give_up: float,
                       finish: bool = False) -> bytes:
-        """``count`` bytes after the first ``skip`` of the body. ``finish``: the body
-        should be exactly those bytes; it is read to its end (one more, empty, read) so
-        the connection is reused; a longer body is cut and its connection closed."""
+        """``count`` bytes after the first ``skip`` of the body, by ``give_up``. ``finish``:
+        the body should be exactly those bytes; it is read to its end (one more, empty,
+        read) so the connection is reused; a longer body is cut and its connection closed."""
         parts: list[bytes] = []
         have = 0
         try:
             chunks = response.iter_raw()
             for chunk in chunks:
+                if self._clock() > give_up:
+                    raise _Retryable(f"the read deadline passed after {have} of {count} bytes")
                 self.stats.bytes += len(chunk)
                 if skip:
                     dropped = min(skip, len(chunk))
@@ -181,22 +189,23 @@ class RangeFetcher:
             raise _Retryable(f"the download broke off: {exc}") from exc
         raise _Retryable(f"the response ended after {have} of {count} bytes")
 
-    def _request(self, start: int, end: int) -> _Response:
+    def _request(self, start: int, end: int, give_up: float) -> _Response:
         """Open a streamed GET of the range at the resolved URL (resolving it as needed)."""
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
         self.stats.requests += 1
-        url = self._location()
-        response = self._open(self._storage if url != self.url else self._registry, url, headers)
+        url = self._location(give_up)
+        client = self._storage if url != self.url else self._registry
+        response = self._open(client, url, headers, give_up)
         if response.status_code == 403 and url != self.url:
             response.close()
             with self._lock:
                 self._resolved = None
-            url = self._location()
-            response = self._open(self._storage, url, headers)
+            url = self._location(give_up)
+            response = self._open(self._storage, url, headers, give_up)
         self._check(response)
         return _Response(response)
 
-    def _location(self) -> str:
+    def _location(self, give_up: float) -> str:
         """The blob's storage URL: the registry's redirect target, cached until a 403.
 
         Only the registry is asked (HEAD); the target itself is not probed, because a
@@ -205,7 +214,8 @@ class RangeFetcher:
         with self._lock:
             if self._resolved is not None:
                 return self._resolved
-        request = self._registry.build_request("HEAD", self.url)
+        request = self._registry.build_request(
+            "HEAD", self.url, timeout=self._timeout(self._registry, give_up))
         try:
             response = self._registry.send(request)
         except httpx.TransportError as exc:
@@ -220,12 +230,25 @@ class RangeFetcher:
             self._resolved = url
         return url
 
-    def _open(self, client: httpx.Client, url: str, headers: dict[str, str]) -> httpx.Response:
-        request = client.build_request("GET", url, headers=headers)
+    def _open(self, client: httpx.Client, url: str, headers: dict[str, str],
+              give_up: float) -> httpx.Response:
+        request = client.build_request("GET", url, headers=headers,
+                                       timeout=self._timeout(client, give_up))
         try:
             return client.send(request, stream=True, follow_redirects=client is self._storage)
         except httpx.TransportError as exc:
             raise _Retryable(f"cannot reach {request.url.netloc.decode()}: {exc}") from exc
+
+    def _timeout(self, client: httpx.Client, give_up: float) -> httpx.Timeout:
+        """The client's timeouts, none longer than the time left until ``give_up``."""
+        left = max(0.001, give_up - self._clock())
+        own = client.timeout
+
+        def cut(value: float | None) -> float:
+            return left if value is None else min(value, left)
+
+        return httpx.Timeout(connect=cut(own.connect), read=cut(own.read),
+                             write=cut(own.write), pool=cut(own.pool))
 
     def _check(self, response: httpx.Response) -> None:
         status = response.status_code

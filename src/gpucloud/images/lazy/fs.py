@@ -32,7 +32,7 @@ import mfusepy
 
 from gpucloud.images.errors import ImageError
 from gpucloud.images.lazy.cache import CachedFd
-from gpucloud.images.lazy.layer import LazyLayer
+from gpucloud.images.lazy.layer import LazyLayer, redacted_line
 from gpucloud.images.lazy.toc import HIDDEN_ROOT_NAMES, Toc, TocEntry, clean_name, gc_paused
 
 log = logging.getLogger(__name__)
@@ -328,13 +328,16 @@ class LayerFs(mfusepy.Operations):  # type: ignore[misc]
 
     @contextmanager
     def _eio_on_failure(self, path: str) -> Iterator[None]:
-        """A read of ``path`` that failed (registry, digest, disk): counted, logged, and
-        ``EIO`` to the reader, never unverified bytes."""
+        """A read of ``path`` that failed (registry, digest, disk, read deadline): ``EIO``
+        to the reader, never unverified bytes; counted, logged, and an event for the pods
+        holding the layer (``LazyLayer.read_failed``, rate-limited)."""
         try:
             yield
         except (ImageError, OSError) as exc:
-            self.layer.stats.errors += 1
-            log.warning("read of %s in layer %s failed: %s", path, self.layer.digest, exc)
+            self.layer.read_failed(path, exc)
+            # redacted as the event is: a presigned URL's signature or a token in a query
+            log.warning("read of %s in layer %s failed: %s", redacted_line(path),
+                        self.layer.digest, redacted_line(str(exc)))
             raise mfusepy.FuseOSError(errno.EIO) from exc
 
     def _advise(self, node: Node, offset: int, size: int) -> None:

@@ -24,8 +24,10 @@ import io
 import itertools
 import logging
 import os
+import re
 import tarfile
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from gpucloud.images.errors import DigestMismatch, ImageError, InvalidImage
 from gpucloud.images.lazy.cache import CachedFd, ChunkCache
 from gpucloud.images.lazy.estargz import decompress_chunk
 from gpucloud.images.lazy.fetch import RangeFetcher
-from gpucloud.images.lazy.footer import FOOTER_SIZE, parse_footer
+from gpucloud.images.lazy.footer import LEGACY_FOOTER_SIZE, parse_footer_sized
 from gpucloud.images.lazy.scheduler import Deliver, FetchScheduler, Item, Priority, wait_all
 from gpucloud.images.lazy.toc import (
     HIDDEN_ROOT_NAMES,
@@ -57,6 +59,13 @@ _fetch_ids = itertools.count(1)  # names a request's start and end lines in the 
 
 EventSink = Callable[[str, str], None]
 """Called with (reason, message) for what the agent should report as an event."""
+
+READ_FAILURE_EVENT_INTERVAL = 60.0
+"""At most one ``LazyReadFailed`` event per layer in this many seconds. A program retrying
+reads against a dead registry fails every one of them (each within the read deadline); a
+minute keeps the failure in the pod's events while it lasts without flooding the daemon's
+node-wide queue (200 events), which would push out other pods' events. The failures in
+between are counted into the next event."""
 
 
 class ChunkCorrupt(DigestMismatch):
@@ -86,17 +95,17 @@ def read_toc(fetcher: RangeFetcher, toc_digest: str, *, ranges_only: bool = Fals
     before the tail only. ``ranges_only``: ``RangeUnsupported`` when the registry answers
     the tail's Range request with the whole blob (the daemon's check, in the same request)."""
     size = fetcher.size
-    if size < FOOTER_SIZE:
+    if size < LEGACY_FOOTER_SIZE:
         raise InvalidToc(f"blob of {size} bytes is too small for an eStargz footer")
     tail_start = max(0, size - TAIL_READ)
     tail = fetcher.fetch(tail_start, size, ranges_only=ranges_only)
-    toc_offset = parse_footer(tail)
-    if not 0 <= toc_offset < size - FOOTER_SIZE + 1:
+    toc_offset, footer_size = parse_footer_sized(tail)
+    if not 0 <= toc_offset < size - footer_size + 1:
         raise InvalidToc(f"footer points at {toc_offset}, outside the blob")
     if toc_offset >= tail_start:
-        member = tail[toc_offset - tail_start : len(tail) - FOOTER_SIZE]
+        member = tail[toc_offset - tail_start : len(tail) - footer_size]
     else:
-        member = fetcher.fetch(toc_offset, tail_start) + tail[: len(tail) - FOOTER_SIZE]
+        member = fetcher.fetch(toc_offset, tail_start) + tail[: len(tail) - footer_size]
     data = toc_json(member)
     actual = "sha256:" + hashlib.sha256(data).hexdigest()
     if actual != toc_digest:
@@ -107,7 +116,10 @@ def read_toc(fetcher: RangeFetcher, toc_digest: str, *, ranges_only: bool = Fals
 def toc_json(member: bytes) -> bytes:
     """The ``stargz.index.json`` bytes inside the TOC's gzip member (a tar entry)."""
     try:
-        raw = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(member, 512 << 20)
+        inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        raw = inflate.decompress(member, 512 << 20)
+        if not inflate.eof:  # cut short (or past the bound): its CRC was never checked
+            raise InvalidToc("the TOC member is truncated or larger than 512 MiB inflated")
         with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
             info = tar.next()
             if info is None or info.name != TOC_NAME:
@@ -142,6 +154,7 @@ class LazyLayer:
         cache: ChunkCache,
         on_event: EventSink,
         scheduler: FetchScheduler | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.digest = digest
         self.toc = toc
@@ -154,6 +167,10 @@ class LazyLayer:
         self._by_digest: dict[str, ChunkRef] = {}
         self._all: list[ChunkRef] | None = None
         self.stats = LayerStats()
+        self._clock = clock
+        self._failure_lock = threading.Lock()
+        self._last_failure_event: float | None = None
+        self._failures_unreported = 0
 
     def close(self) -> None:
         """Drop this layer's queued prefetch (unmount); stop a scheduler of its own."""
@@ -248,6 +265,25 @@ class LazyLayer:
                 missing.append(Item(ref.digest, ref.offset, ref.end))
         if missing:
             self.scheduler.fetch(self, _unique(missing), Priority.DEMAND)
+
+    def read_failed(self, path: str, exc: BaseException) -> None:
+        """A read of ``path`` failed (the reader gets ``EIO``): counted, and reported as a
+        ``LazyReadFailed`` event, rate-limited (``READ_FAILURE_EVENT_INTERVAL``). A corrupt
+        chunk is not reported twice: ``decode_items`` raised ``ChunkDigestMismatch``."""
+        self.stats.errors += 1
+        if isinstance(exc, ChunkCorrupt):
+            return
+        with self._failure_lock:
+            now = self._clock()
+            last = self._last_failure_event
+            if last is not None and now - last < READ_FAILURE_EVENT_INTERVAL:
+                self._failures_unreported += 1
+                return
+            self._last_failure_event = now
+            unreported, self._failures_unreported = self._failures_unreported, 0
+        more = f" ({unreported} more failed reads since the last event)" if unreported else ""
+        self._on_event("LazyReadFailed", f"layer {self.digest}: read of {redacted_line(path)} "
+                                         f"failed: {redacted_line(str(exc))}{more}")
 
     def release_extents(self, extents: list[tuple[CachedFd, int, int]]) -> None:
         for handle, _, _ in extents:
@@ -364,6 +400,17 @@ class LazyLayer:
         refs = {r.digest: r.chunk_size for r in self.all_chunks()}
         local = sum(size for digest, size in refs.items() if self._cache.has(digest))
         return local, sum(refs.values())
+
+
+_URL = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?:[^/\s@]*@)?"
+                  r"(?P<rest>[^\s?#]*)(?P<query>\?\S*)?")
+
+
+def redacted_line(text: str) -> str:
+    """``text`` for an event: one line, without the user-info or the query string of any
+    URL in it (a presigned storage URL's signature, a token in a query)."""
+    return _URL.sub(lambda m: m["scheme"] + m["rest"] + ("?..." if m["query"] else ""),
+                    " ".join(text.split()))
 
 
 def _chunk_start(ref: ChunkRef) -> int:

@@ -2,11 +2,13 @@
 
 A layer is mounted lazily when its descriptor carries the eStargz TOC annotation and its
 blob is not already in the store. Anything that stops the lazy mount (a registry without
-Range support, a TOC that does not match the annotation, an external TOC, a daemon that
-cannot start) falls back, for that layer alone, to the ordinary full pull and unpack, and
-says so in an event (``LazyPullFallback``). Once a layer is mounted there is no fallback:
-errors reach the reader as ``EIO``. The pods' bundles are the holders of the mounts, so a
-released pod drops its references and the daemon unmounts layers nobody uses.
+Range support, a TOC that does not match the annotation, an external TOC, a layer whose
+files exceed the node's whole chunk cache, a daemon that cannot start) falls back, for
+that layer alone, to the ordinary full pull and unpack, and says so in an event
+(``LazyPullFallback``, with the daemon's code and message). Once a layer is mounted there
+is no fallback: errors reach the reader as ``EIO``. The pods' bundles are the holders of
+the mounts, so a released pod drops its references and the daemon unmounts layers nobody
+uses.
 """
 
 from __future__ import annotations

@@ -33,6 +33,15 @@ however many readers want it (single flight). Queued items of one source and pri
 are adjacent or nearby in the blob (``gap``) are merged into one Range request of at most
 ``max_request`` bytes.
 
+A demand reader waits at most ``read_deadline`` seconds for its chunks, then gets
+``ReadDeadlineExceeded`` (the FUSE layer answers ``EIO``): a hung fetch must not hang every
+process that reads the file. The fetch itself goes on and fills the cache for later readers
+(single flight is kept: the chunk stays in flight, shared); the reader that gave up has
+had its answer, so a late result is never handed to it. Its chunks still queued that no
+other reader waits for drop to ``BULK`` (no demand queue left behind to hold the prefetch
+back forever). A batch a reader runs in its own thread is bounded by its ``Source``
+(``RangeFetcher`` gives up at the same deadline).
+
 The scheduling is a pure state machine (``take`` / ``finish``) driven by worker threads;
 tests drive it by hand (``threads=False`` and ``run_one``) with an injectable clock.
 """
@@ -69,6 +78,11 @@ Deliver = Callable[[str, bytes], None]
 """Called with (key, verified bytes) for each item of a fetch as soon as it is verified."""
 
 
+class ReadDeadlineExceeded(TimeoutError):
+    """A demand reader waited longer than the read deadline for its chunks (an ``OSError``:
+    ``EIO`` to the reader, like any failed read)."""
+
+
 class Source(Protocol):
     """Where items come from (a layer): fetches merged items in one request, then
     decodes them (two steps, so the request's place on the wire is freed in between)."""
@@ -92,6 +106,7 @@ class _Entry:
     priority: Priority
     future: Future[bytes] = field(default_factory=Future)
     running: bool = False
+    readers: int = 0  # demand readers (``fetch``) waiting for it now
 
 
 @dataclass
@@ -143,10 +158,12 @@ class FetchScheduler:
         clock: Callable[[], float] = time.monotonic,
         threads: bool = True,
         pipelined: bool = True,
+        read_deadline: float | None = None,
     ) -> None:
         """``workers`` demand fetches (run by the reading threads) and ``prefetch_workers``
         prefetch fetches (on twice as many threads: one decodes while the other is on the
         wire) at once; ``threads=False`` starts no thread (the caller runs ``run_one``).
+        ``read_deadline``: seconds a demand reader waits for its chunks (None: no limit).
         ``pipelined=False``: the old way, for A/B runs: a fetch holds its place on the
         wire while it decodes, its futures are resolved when all its chunks are done, and
         there is one thread per place."""
@@ -158,6 +175,7 @@ class FetchScheduler:
         self._bulk_quiet = bulk_quiet
         self._clock = clock
         self._pipelined = pipelined
+        self._read_deadline = read_deadline
         lock = threading.RLock()
         # Two conditions on one lock: the prefetch threads wait for work or a free place
         # on the wire (``_cond``); demand readers wait for their chunks or for demand work
@@ -183,28 +201,36 @@ class FetchScheduler:
                ) -> list[Future[bytes]]:
         """Futures of the items' bytes. An item already queued or running is shared; one
         queued at a lower priority is raised to ``priority``."""
-        futures = []
         with self._cond:
-            if self._closed:
-                raise RuntimeError("the fetch scheduler is closed")
-            for item in items:
-                key = (id(source), item.key)
-                entry = self._entries.get(key)
-                if entry is None:
-                    entry = _Entry(item, source, priority)
-                    self._entries[key] = entry
-                    self._queued[priority].append(entry)
-                elif not entry.running and priority < entry.priority:
-                    self._queued[entry.priority].remove(entry)
-                    entry.priority = priority
-                    self._queued[priority].append(entry)
-                    self.stats.promoted += 1
-                futures.append(entry.future)
-            if priority is Priority.DEMAND:
-                self._last_demand = self._clock()
-                self._done.notify_all()
-            self._cond.notify_all()
-        return futures
+            return [entry.future for entry in self._submit_locked(source, items, priority)]
+
+    def _submit_locked(self, source: Source, items: Iterable[Item], priority: Priority
+                       ) -> list[_Entry]:
+        if self._closed:
+            raise RuntimeError("the fetch scheduler is closed")
+        entries = []
+        for item in items:
+            key = (id(source), item.key)
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = _Entry(item, source, priority)
+                self._entries[key] = entry
+                self._queued[priority].append(entry)
+            elif not entry.running and priority < entry.priority:
+                self._requeue(entry, priority)
+                self.stats.promoted += 1
+            entries.append(entry)
+        if priority is Priority.DEMAND:
+            self._last_demand = self._clock()
+            self._done.notify_all()
+        self._cond.notify_all()
+        return entries
+
+    def _requeue(self, entry: _Entry, priority: Priority) -> None:
+        """Move a queued (not running) entry to ``priority``'s queue."""
+        self._queued[entry.priority].remove(entry)
+        entry.priority = priority
+        self._queued[priority].append(entry)
 
     def fetch(self, source: Source, items: list[Item], priority: Priority) -> dict[str, bytes]:
         """Submit and wait: the items' bytes by key (the first failure is raised).
@@ -212,27 +238,64 @@ class FetchScheduler:
         A ``DEMAND`` caller runs demand batches itself (its own, or any queued one while it
         waits) instead of handing them to a worker thread: a FUSE read is then one thread
         from request to reply, with no wake-up of another thread on the way (each such
-        hand-over can cost a GIL switch interval)."""
-        futures = self.submit(source, items, priority)
-        if priority is Priority.DEMAND:
-            self._help_until_done(futures)
-        return {item.key: future.result() for item, future in zip(items, futures, strict=True)}
+        hand-over can cost a GIL switch interval). It waits at most ``read_deadline``
+        (``ReadDeadlineExceeded``; see the module doc)."""
+        if priority is not Priority.DEMAND:
+            futures = self.submit(source, items, priority)
+            return {item.key: future.result() for item, future in zip(items, futures, strict=True)}
+        with self._cond:
+            entries = self._submit_locked(source, items, priority)
+            for entry in entries:
+                entry.readers += 1
+        try:
+            self._help_until_done([e.future for e in entries], self._give_up_at())
+        finally:
+            self._leave(entries)
+        return {e.item.key: e.future.result() for e in entries}
 
-    def _help_until_done(self, futures: list[Future[bytes]]) -> None:
+    def _give_up_at(self) -> float | None:
+        """When a demand read that starts now stops waiting (None: never)."""
+        return None if self._read_deadline is None else self._clock() + self._read_deadline
+
+    def _help_until_done(self, futures: list[Future[bytes]],
+                         give_up_at: float | None = None) -> None:
+        """Run queued demand batches (while there is time left) or wait, until every one
+        of ``futures`` is done; ``ReadDeadlineExceeded`` at ``give_up_at``."""
         while True:
             with self._cond:
                 batch = None
                 while not all(f.done() for f in futures):
+                    left = None if give_up_at is None else give_up_at - self._clock()
+                    if left is not None and left <= 0:
+                        raise ReadDeadlineExceeded(
+                            f"no chunk data within the read deadline of {self._read_deadline} s")
                     if self._queued[Priority.DEMAND] and \
                             self._running[Priority.DEMAND] < self._workers:
                         batch = self._batch(Priority.DEMAND, self._max_request)
                         break
                     if self._closed:
                         return
-                    self._done.wait()
+                    self._done.wait(left)
                 if batch is None:
                     return
             self._run(batch)
+
+    def _leave(self, entries: list[_Entry]) -> None:
+        """A demand reader stops waiting for ``entries`` (done, failed or out of time).
+        Those still queued that no other reader waits for drop to ``BULK``: fetched in the
+        background later (into the cache), and no longer holding every prefetch back as
+        queued demand nobody runs (demand batches are run by their readers)."""
+        with self._cond:
+            dropped = False
+            for entry in entries:
+                entry.readers -= 1
+                if entry.readers == 0 and not entry.running and not entry.future.done() \
+                        and entry.priority is Priority.DEMAND \
+                        and self._entries.get((id(entry.source), entry.item.key)) is entry:
+                    self._requeue(entry, Priority.BULK)
+                    dropped = True
+            if dropped:  # not on every read: it wakes every prefetch thread
+                self._cond.notify_all()
 
     def cancel(self, source: Source, below: Priority = Priority.DEMAND) -> int:
         """Drop the queued (not running) items of ``source`` with a priority lower than
