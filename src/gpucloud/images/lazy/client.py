@@ -101,6 +101,16 @@ class LazyfsClient:
         while self.running() and time.monotonic() < deadline:
             time.sleep(0.02)
 
+    def holders(self) -> set[str]:
+        """Every holder of a lazy mount by the daemon's own record (``layers.json``, kept
+        across its restarts and the agent's), read without the daemon."""
+        try:
+            layers = json.loads((self.root / "layers.json").read_text())
+        except (OSError, ValueError):
+            return set()
+        return {str(holder) for layer in layers if isinstance(layer, dict)
+                for holder in layer.get("holders") or []}
+
     def pid(self) -> int:
         return int(self.request({"op": "ping"})["pid"])
 

@@ -31,6 +31,13 @@ from gpucloud.images.store import BlobStore
 log = logging.getLogger(__name__)
 
 
+#: What a pod holding lazy mounts is told when the daemon serving them died (docs/lazy.md).
+RESTARTED_MESSAGE = (
+    "the node's lazyfs daemon stopped and was started again: this pod's lazily mounted "
+    "image layers were served by the old one, so its reads of files the kernel has not "
+    "cached fail (ENOTCONN) until the pod is restarted")
+
+
 def node_lazyfs(state_dir: Path) -> LazyfsClient | None:
     """The node's lazyfs client when lazy mounts can work here (root and /dev/fuse), else
     None (every layer is then pulled whole)."""
@@ -63,6 +70,7 @@ class LazyMounter:
         self._lock = threading.Lock()
         self._events: dict[str, list[tuple[str, str]]] = {}
         self._pod_credentials: dict[str, Credentials] = {}
+        self._restart_lock = threading.Lock()
 
     def use_credentials(self, bundle: Path, credentials: Credentials) -> None:
         """The pod at ``bundle`` pulls with its own registry login: its lazy mounts (and
@@ -129,8 +137,32 @@ class LazyMounter:
             for event in self.client.events():
                 for holder in event.get("holders") or []:
                     self._queue(holder, (event["reason"], event["message"]))
+        else:
+            self._restart_under(bundle)
         with self._lock:
             return self._events.pop(str(bundle), [])
+
+    def _restart_under(self, bundle: Path) -> None:
+        """The agent's supervision of the daemon: every running pod asks for its events
+        each watch period, so a pod holding lazy mounts (by the daemon's own record,
+        which an agent restart keeps) notices a dead daemon within one. The daemon is
+        started again (it mounts the held layers again, for new pods) and every holder
+        is told that its overlay still sits on the dead mounts (``LazyfsRestarted``)."""
+        holders = self.client.holders()
+        if str(bundle) not in holders:
+            return
+        with self._restart_lock:
+            if self.client.running():
+                return  # another pod's watch started it: its event is queued already
+            try:
+                self.client.ensure_running()
+            except LazyfsError as exc:
+                self.event(exc.code, f"the node's lazyfs daemon is down and did not start "
+                           f"again: {exc.message}", str(bundle))
+                return
+            for holder in holders:
+                self._queue(holder, ("LazyfsRestarted", RESTARTED_MESSAGE))
+        log.warning("lazyfs daemon was down under %d pods; started again", len(holders))
 
     def event(self, reason: str, message: str, holder: str) -> None:
         log.warning("%s: %s", reason, message)

@@ -1,0 +1,110 @@
+"""The agent's supervision of the node's lazyfs daemon (images/lazy/mounter.py): a pod's
+watch asks for its events every period, and a daemon found dead under pods that hold lazy
+mounts is started again, re-mounting their layers for new pods, and every holder is told
+that its overlay still sits on the dead mount. Real registry, real daemon, real FUSE.
+
+Needs root, /dev/fuse and libfuse3 (Debian fuse3); the registry is Debian's docker-registry.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpucloud.images.client import RegistryClient
+from gpucloud.images.lazy.client import LazyfsClient
+from gpucloud.images.lazy.mounter import RESTARTED_MESSAGE, LazyMounter
+from gpucloud.images.store import BlobStore
+from tests.fixtures.registry import Registry, start_registry
+from tests.integration.images.lazy_testing import estargz_image
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+                                reason="needs root and /dev/fuse")
+
+FILES: dict[str, bytes | str | object] = {
+    "etc/hello.txt": "hello from a lazy layer\n",
+    "opt/tool.bin": os.urandom(200 << 10),
+}
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    with start_registry(tmp_path / "registry") as running:
+        yield running
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _mounter(state: Path, client: LazyfsClient) -> LazyMounter:
+    return LazyMounter(client, RegistryClient(insecure=()), BlobStore(state / "images"),
+                       {}, ())
+
+
+def test_a_dead_daemon_is_started_again_and_its_pods_are_told(registry: Registry,
+                                                               tmp_path: Path) -> None:
+    lazy = estargz_image([FILES], tmp_path)
+    layer = lazy.image.layers[0]
+    lazy.image.push(registry.host, "lazy-supervised:v1")
+    state = tmp_path / "state"
+    client = LazyfsClient(state, cache_limit=64 << 20, read_deadline=2.0)
+    mounter = _mounter(state, client)
+    pods = [tmp_path / "containers" / name for name in ("pod-a", "pod-b")]
+    try:
+        for pod in pods:  # as ``LazyMounter.mount`` does for each pod's layer
+            mnt = client.mount(digest=layer.digest, registry=registry.host,
+                               repository="lazy-supervised", size=len(layer.data),
+                               toc_digest=lazy.toc_digests[0], holder=str(pod))
+        assert (mnt / "etc/hello.txt").read_text() == "hello from a lazy layer\n"
+        assert mounter.take_events(pods[0]) == []  # alive: nothing to say
+        old = client.pid()
+
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: not client.running(), what="the daemon's death")
+        with pytest.raises(OSError) as dead:
+            os.listdir(mnt / "opt")  # not in the kernel's cache: needs the dead daemon
+        assert dead.value.errno == errno.ENOTCONN
+
+        # pod-a's next watch finds the daemon dead: started again, both pods told once
+        assert mounter.take_events(pods[0]) == [("LazyfsRestarted", RESTARTED_MESSAGE)]
+        assert client.running() and client.pid() != old
+        assert client.status()["layers"][layer.digest]["holders"] == [str(p) for p in pods]
+        assert mounter.take_events(pods[1]) == [("LazyfsRestarted", RESTARTED_MESSAGE)]
+        assert mounter.take_events(pods[0]) == []
+        # new pods get the new mount, at the same path
+        assert (mnt / "opt/tool.bin").read_bytes() == FILES["opt/tool.bin"]
+    finally:
+        client.shutdown()
+
+
+def test_a_dead_daemon_is_left_alone_when_no_pod_holds_a_lazy_mount(registry: Registry,
+                                                                   tmp_path: Path) -> None:
+    lazy = estargz_image([FILES], tmp_path)
+    layer = lazy.image.layers[0]
+    lazy.image.push(registry.host, "lazy-unheld:v1")
+    state = tmp_path / "state"
+    client = LazyfsClient(state, cache_limit=64 << 20, read_deadline=2.0)
+    mounter = _mounter(state, client)
+    pod = tmp_path / "containers" / "pod-a"
+    try:
+        client.mount(digest=layer.digest, registry=registry.host, repository="lazy-unheld",
+                     size=len(layer.data), toc_digest=lazy.toc_digests[0], holder=str(pod))
+        client.release(str(pod))
+        os.kill(client.pid(), signal.SIGKILL)
+        wait_for(lambda: not client.running(), what="the daemon's death")
+        other = tmp_path / "containers" / "pod-b"  # a pod of fully pulled layers
+        assert mounter.take_events(pod) == [] and mounter.take_events(other) == []
+        assert not client.running()
+    finally:
+        client.shutdown()
