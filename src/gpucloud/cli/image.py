@@ -168,10 +168,14 @@ def _show_optimized(result: OptimizedImage, output: OutputFormat) -> None:
               for c, p in zip(result.layers, result.prioritized, strict=True)]
     if output is OutputFormat.JSON:
         recorded = list(result.recording.paths) if result.recording else None
+        stopped_by = result.recording.stopped_by if result.recording else None
         typer.echo(json.dumps({"digest": result.manifest_digest, "layers": layers,
-                               "recorded": recorded}, indent=2))
+                               "recorded": recorded, "stopped_by": stopped_by}, indent=2))
         return
     typer.echo(f"image {result.manifest_digest}")
+    if result.recording is not None:  # "period": --wait-on-line never matched
+        typer.echo(f"recorded {len(result.recording.paths)} files "
+                   f"(stopped by: {result.recording.stopped_by})")
     table(["LAYER", "SIZE", "PRIORITIZED", "PREFETCH"],
           [[str(x["digest"])[7:19], _size(int(str(x["size"]))), x["prioritized"],
             _size(int(str(x["prefetch_bytes"])))] for x in layers])

@@ -5,10 +5,13 @@ Needs root, /dev/fuse and libfuse3 (Debian fuse3); the registry is Debian's dock
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
+import mmap
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -195,6 +198,85 @@ def test_cached_reads_give_their_descriptors_back(registry: Registry, tmp_path: 
         finally:
             os.close(fd)
     assert len(list(fds.iterdir())) < before + OPEN_FILES + 64  # the pool, and no more
+
+
+MAPPED = os.urandom((1 << 20) + 4321)  # 17 chunks of 64 KiB, the last one short
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _resident_pages(path: Path) -> int:
+    """How many of ``path``'s pages the kernel's page cache holds, from a fresh open (a
+    shared read-only mapping that is never touched: ``mincore`` reports the page cache)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = (ctypes.c_ubyte * ((size + _PAGE - 1) // _PAGE))()
+            assert _libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(v & 1 for v in vec)
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def test_mmap_of_a_lazy_file_reads_exact_bytes(registry: Registry, tmp_path: Path,
+                                               lazyfs: LazyfsClient) -> None:
+    """The mount has no ``direct_io`` (with it, a shared mmap is refused: ENODEV) and keeps
+    the kernel page cache: a read-only mmap of a file not fetched yet faults its pages in
+    through FUSE, at random offsets first (chunks fetched out of order), then whole; again
+    once its pages were dropped (now served from the chunk cache); and the pages a read
+    left in the page cache are still there after the file is closed and opened again."""
+    lazy, toc = _push(registry, tmp_path, "lazy-mmap", [{"w.bin": MAPPED}])
+    mnt = _mount(lazyfs, registry.host, "lazy-mmap", lazy, toc)
+    rng = random.Random(20240611)
+    edges = [0, (64 << 10) - 1, 64 << 10, 5 * (64 << 10) - 3, len(MAPPED) - 1]
+    with (mnt / "w.bin").open("rb") as stream, \
+            mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert len(mapped) == len(MAPPED)
+        for _ in range(2):
+            for offset in [*(rng.randrange(len(MAPPED)) for _ in range(48)), *edges]:
+                size = rng.randrange(1, 200_000)
+                assert mapped[offset:offset + size] == MAPPED[offset:offset + size], offset
+            assert hashlib.sha256(mapped).digest() == hashlib.sha256(MAPPED).digest()
+            mapped.madvise(mmap.MADV_DONTNEED)  # unmap the pages, then drop them: the
+            os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # next faults
+            # reach lazyfs again
+    status = lazyfs.status()["layers"][lazy.image.layers[0].digest]  # type: ignore[attr-defined]
+    assert status["errors"] == 0
+    pages = (len(MAPPED) + _PAGE - 1) // _PAGE
+    assert (mnt / "w.bin").read_bytes() == MAPPED
+    assert _resident_pages(mnt / "w.bin") == pages  # kept across close and open
+
+
+def test_negative_lookups_stay_enoent(registry: Registry, tmp_path: Path,
+                                      lazyfs: LazyfsClient) -> None:
+    """Missing names are ENOENT, and still ENOENT when asked again (the kernel caches the
+    negative entry a day): the cached answer must not turn into something else, nor hide
+    the names that do exist beside it. Hidden root entries are missing names too."""
+    lazy, toc = _push(registry, tmp_path, "lazy-negative")
+    mnt = _mount(lazyfs, registry.host, "lazy-negative", lazy, toc)
+    missing = ["nope", "etc/nope", "data/big.bin.orig", "opt/x", "stargz.index.json",
+               ".no.prefetch.landmark", "data/nope/deeper"]
+    for _ in range(2):
+        for name in missing:
+            with pytest.raises(OSError) as exc:
+                os.stat(mnt / name)
+            assert exc.value.errno == errno.ENOENT, name
+        with pytest.raises(OSError) as exc:
+            os.stat(mnt / "etc/hello.txt/x")
+        assert exc.value.errno == errno.ENOTDIR
+        assert (mnt / "etc/hello.txt").read_text() == "hello from a lazy layer\n"
+        assert sorted(os.listdir(mnt / "etc")) == ["hello.txt"]
+        assert os.listdir(mnt / "opt") == []
 
 
 def test_shared_mount_is_refcounted_and_prefetch_completes(registry: Registry, tmp_path: Path,

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tarfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,11 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runc and overlay need
 APP_FILES: dict[str, bytes | str | t.Entry] = {
     "app": t.directory(),
     "app/lib": t.directory(),
-    "app/start.sh": t.file("#!/bin/sh\ncat /app/config.txt /app/lib/mod.py; echo READY; sleep 60\n",
-                           0o755),
+    # READY, then the container keeps running: what it opens 3 s later is past the line
+    "app/start.sh": t.file("#!/bin/sh\ncat /app/config.txt /app/lib/mod.py; echo READY\n"
+                           "sleep 3; cat /app/late.txt; exec sleep 60\n", 0o755),
     "app/config.txt": "setting=1\n",
+    "app/late.txt": "opened after the line\n",
     "app/lib/mod.py": "print('hi')\n",
     "app/weights.bin": t.file(os.urandom(5 << 20)),
     "app/lib/unused.py": "never read\n",
@@ -122,19 +125,30 @@ def _read_all(toc: Toc, fetch: Any) -> dict[str, bytes]:
 
 @needs_root
 def test_record_prioritizes_what_the_container_opens(registry: Registry, tmp_path: Path) -> None:
+    """The recording stops when ``--wait-on-line`` matches, long before ``--period``, while
+    the container goes on running: the output says so, and what it opens after the line
+    (``late.txt``, 3 s later) is neither recorded nor prioritized. (Were the line ignored,
+    the recording would last the full 60 s period and hold ``late.txt``.)"""
     if shutil.which("runc") is None:
         pytest.skip("runc is not installed")
     repo = _repo()
     t.busybox_image(cmd=["sh"], extra_files=APP_FILES).push(registry.host, f"{repo}:orig")
     record_out = tmp_path / "recorded.txt"
+    started = time.monotonic()
     result = CliRunner().invoke(app, [
         "image", "optimize", f"{registry.host}/{repo}:orig", f"{registry.host}/{repo}:esgz",
-        "--record", "--period", "20s", "--wait-on-line", "^READY$", "--level", "1",
+        "--record", "--period", "60s", "--wait-on-line", "^READY$", "--level", "1",
         "--record-out", str(record_out), "-o", "json", "--", "/app/start.sh"])
+    elapsed = time.monotonic() - started
     assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["stopped_by"] == "line"
+    assert elapsed < 40, f"optimize took {elapsed:.1f} s: the recording ran on past the line"
     recorded = record_out.read_text().splitlines()
+    assert recorded == out["recorded"]
     assert {"/bin/busybox", "/app/start.sh", "/app/config.txt", "/app/lib/mod.py"} <= set(
         recorded)
+    assert "/app/late.txt" not in recorded
     assert "/app/lib/unused.py" not in recorded and "/app/weights.bin" not in recorded
     assert recorded.index("/app/config.txt") < recorded.index("/app/lib/mod.py")
     manifest, _ = _pushed(registry, repo)
@@ -148,8 +162,8 @@ def test_record_prioritizes_what_the_container_opens(registry: Registry, tmp_pat
     assert first.index("app/config.txt") < first.index("app/lib/") < first.index(
         "app/lib/mod.py")
     assert "app/weights.bin" not in first and "app/lib/unused.py" not in first
+    assert "app/late.txt" not in first and "app/late.txt" in names
     assert toc.prefetch_end() < (5 << 20)  # the prefetch range skips the weights
-    out = json.loads(result.output)
     assert out["layers"][1]["prioritized"] >= 3
 
 
