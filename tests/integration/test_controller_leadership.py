@@ -3,14 +3,22 @@
 
 from __future__ import annotations
 
-import pytest
-from sqlalchemy import update
+from typing import Any
 
-from gpucloud.controllers.loops import LEADER_TTL_SECONDS, ControllerRunner
+import pytest
+from sqlalchemy import select, update
+
+from gpucloud.controllers.loops import (
+    LEADER_TTL_SECONDS,
+    STANDBY_WARM_SECONDS,
+    ControllerRunner,
+)
 from gpucloud.core.clock import ManualClock
-from gpucloud.db.models import ControllerLeaseModel, PriorityClassModel
-from gpucloud.services import leadership
+from gpucloud.core.models import NodeRegisterRequest, PodCreateRequest
+from gpucloud.db.models import ControllerLeaseModel, NodeModel, PriorityClassModel
+from gpucloud.services import join_tokens, leadership, nodes, pods, projects, scheduling
 from gpucloud.services.context import ServiceContext
+from tests.conftest import ADMIN_KEY
 
 
 def _lease(ctx: ServiceContext) -> ControllerLeaseModel:
@@ -60,3 +68,51 @@ def test_release_hands_over_at_once(ctx: ServiceContext) -> None:
     assert first._is_leader()
     first.leader.stop()
     assert second._is_leader()
+
+
+def _register(ctx: ServiceContext, name: str) -> None:
+    admin = projects.authenticate(ctx, ADMIN_KEY)
+    nodes.register_node(ctx, NodeRegisterRequest(
+        join_token=join_tokens.create(ctx, admin).token, name=name, cpu_cores=8,
+        memory_bytes=2**34, gpus=[]))
+
+
+def test_a_standby_keeps_the_scheduler_warm_for_its_takeover(
+        ctx: ServiceContext, clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica that does not lead reads the cluster into its scheduler's cache every
+    ``STANDBY_WARM_SECONDS``; when it takes over, its first pass loads only the node rows
+    changed since (a cold leader loads every row), and places pods as a cold one would."""
+    projects.bootstrap_admin(ctx)
+    leader, standby = ControllerRunner(ctx), ControllerRunner(ctx)
+    assert leader._is_leader() and not standby._is_leader()  # the first to ask leads
+    for n in range(5):
+        _register(ctx, f"node-{n}")
+    assert not standby.run_once() and len(standby.scheduling.snapshots) == 5
+    _register(ctx, "node-5")
+    clock.advance(STANDBY_WARM_SECONDS - 1)
+    standby.run_once()
+    assert len(standby.scheduling.snapshots) == 5  # not due yet
+    clock.advance(1)
+    standby.run_once()
+    assert len(standby.scheduling.snapshots) == 6
+    assert leader.run_once() is False and leader._is_leader()
+
+    loaded: list[str] = []
+    load_nodes = scheduling._load_nodes
+
+    def counted(session: Any, ids: list[str], everything: bool) -> Any:
+        out = load_nodes(session, ids, everything)
+        loaded.extend(out)
+        return out
+
+    monkeypatch.setattr(scheduling, "_load_nodes", counted)
+    _register(ctx, "node-6")  # a change between its last warm-up and the takeover
+    admin = projects.authenticate(ctx, ADMIN_KEY)
+    pod = pods.create_pod(ctx, admin, PodCreateRequest(name="p", image="busybox", cpu=1))
+    clock.advance(LEADER_TTL_SECONDS + 1)
+    assert standby._is_leader() and not leader._is_leader()
+    standby.run_once(woken=True)
+    with ctx.db.read() as session:
+        names = {n.id: n.name for n in session.scalars(select(NodeModel))}
+    assert sorted(names[i] for i in loaded) == ["node-6"]
+    assert pods.get_pod(ctx, admin, pod.id).node in names.values()

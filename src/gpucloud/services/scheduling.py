@@ -327,6 +327,11 @@ class SnapshotCache:
     rebuild gives (tests/integration/test_scheduling_snapshot.py checks it).
     """
 
+    def __len__(self) -> int:
+        """How many node rows are cached."""
+        with self._lock:
+            return len(self._rows)
+
     def __init__(self) -> None:
         self._rows: dict[str, tuple[tuple[object, ...], NodeModel]] = {}
         self._states: dict[str, tuple[NodeModel, tuple[object, ...], NodeState]] = {}

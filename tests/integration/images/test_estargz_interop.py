@@ -112,13 +112,8 @@ def _fetch(path: Path) -> Any:
 
 def test_their_estargz_reads_with_ours(ctr: list[str], tmp_path: Path) -> None:
     image = _image()
-    image.write_oci_layout(tmp_path / "src.tar", NAME, as_tar=True)
-    _run(str(CTR), *ctr, "images", "import", str(tmp_path / "src.tar"))
-    _run(str(CTR_REMOTE), *ctr, "images", "convert", "--estargz", "--oci", NAME, NAME + "-esgz")
-    _run(str(CTR), *ctr, "images", "export", str(tmp_path / "theirs.tar"), NAME + "-esgz")
-    with tarfile.open(tmp_path / "theirs.tar") as tar:
-        tar.extractall(tmp_path / "theirs", filter="data")
-    manifest, blobs = _layout(tmp_path / "theirs")
+    raw_manifest, blobs = _convert_with_ctr_remote(ctr, image, tmp_path)
+    manifest = json.loads(raw_manifest)
     for desc, original in zip(manifest["layers"], image.layers, strict=True):
         blob = blobs / desc["digest"][7:]
         toc = read_toc_file(blob, desc["annotations"][TOC_DIGEST_ANNOTATION])

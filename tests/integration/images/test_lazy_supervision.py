@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,25 +48,29 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) ->
         time.sleep(0.02)
 
 
-def _mounter(state: Path, client: LazyfsClient) -> LazyMounter:
-    return LazyMounter(client, RegistryClient(insecure=()), BlobStore(state / "images"),
-                       {}, ())
+def _node(tmp_path: Path, registry: Registry, repository: str
+          ) -> tuple[tuple[Any, str], LazyfsClient, LazyMounter]:
+    """An eStargz image of ``FILES`` pushed as ``repository``, and a node's lazyfs client
+    and the agent's mounter over it: ((the image's one layer, its TOC digest), client,
+    mounter)."""
+    lazy = estargz_image([FILES], tmp_path)
+    lazy.image.push(registry.host, f"{repository}:v1")
+    state = tmp_path / "state"
+    client = LazyfsClient(state, cache_limit=64 << 20, read_deadline=2.0)
+    mounter = LazyMounter(client, RegistryClient(insecure=()), BlobStore(state / "images"),
+                          {}, ())
+    return (lazy.image.layers[0], lazy.toc_digests[0]), client, mounter
 
 
 def test_a_dead_daemon_is_started_again_and_its_pods_are_told(registry: Registry,
                                                                tmp_path: Path) -> None:
-    lazy = estargz_image([FILES], tmp_path)
-    layer = lazy.image.layers[0]
-    lazy.image.push(registry.host, "lazy-supervised:v1")
-    state = tmp_path / "state"
-    client = LazyfsClient(state, cache_limit=64 << 20, read_deadline=2.0)
-    mounter = _mounter(state, client)
+    (layer, toc_digest), client, mounter = _node(tmp_path, registry, "lazy-supervised")
     pods = [tmp_path / "containers" / name for name in ("pod-a", "pod-b")]
     try:
         for pod in pods:  # as ``LazyMounter.mount`` does for each pod's layer
             mnt = client.mount(digest=layer.digest, registry=registry.host,
                                repository="lazy-supervised", size=len(layer.data),
-                               toc_digest=lazy.toc_digests[0], holder=str(pod))
+                               toc_digest=toc_digest, holder=str(pod))
         assert (mnt / "etc/hello.txt").read_text() == "hello from a lazy layer\n"
         assert mounter.take_events(pods[0]) == []  # alive: nothing to say
         old = client.pid()
@@ -90,16 +95,11 @@ def test_a_dead_daemon_is_started_again_and_its_pods_are_told(registry: Registry
 
 def test_a_dead_daemon_is_left_alone_when_no_pod_holds_a_lazy_mount(registry: Registry,
                                                                    tmp_path: Path) -> None:
-    lazy = estargz_image([FILES], tmp_path)
-    layer = lazy.image.layers[0]
-    lazy.image.push(registry.host, "lazy-unheld:v1")
-    state = tmp_path / "state"
-    client = LazyfsClient(state, cache_limit=64 << 20, read_deadline=2.0)
-    mounter = _mounter(state, client)
+    (layer, toc_digest), client, mounter = _node(tmp_path, registry, "lazy-unheld")
     pod = tmp_path / "containers" / "pod-a"
     try:
         client.mount(digest=layer.digest, registry=registry.host, repository="lazy-unheld",
-                     size=len(layer.data), toc_digest=lazy.toc_digests[0], holder=str(pod))
+                     size=len(layer.data), toc_digest=toc_digest, holder=str(pod))
         client.release(str(pod))
         os.kill(client.pid(), signal.SIGKILL)
         wait_for(lambda: not client.running(), what="the daemon's death")
