@@ -108,3 +108,21 @@ def test_a_dead_daemon_is_left_alone_when_no_pod_holds_a_lazy_mount(registry: Re
         assert not client.running()
     finally:
         client.shutdown()
+
+
+def test_a_pod_released_while_the_daemon_is_down_is_not_mounted_again(
+        registry: Registry, tmp_path: Path) -> None:
+    (layer, toc_digest), client, mounter = _node(tmp_path, registry, "lazy-released")
+    pod = tmp_path / "containers" / "pod-a"
+    try:
+        mnt = client.mount(digest=layer.digest, registry=registry.host,
+                           repository="lazy-released", size=len(layer.data),
+                           toc_digest=toc_digest, holder=str(pod))
+        os.kill(client.pid(), signal.SIGKILL)
+        wait_for(lambda: not client.running(), what="the daemon's death")
+        mounter.release(pod)  # the pod was removed meanwhile
+        assert str(pod) not in client.holders()
+        assert layer.digest not in client.status()["layers"]
+        assert not os.path.ismount(mnt)
+    finally:
+        client.shutdown()

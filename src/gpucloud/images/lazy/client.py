@@ -73,8 +73,10 @@ class LazyfsClient:
         return Path(self.request(req)["path"])
 
     def release(self, holder: str) -> None:
-        """Drop ``holder`` from every layer (only if the daemon runs: nothing to drop else)."""
-        if self.running():
+        """Drop ``holder`` from every layer. A daemon that is down is started first when
+        its record (``layers.json``) still names the holder: else its next start would
+        mount that layer again for a pod that is gone, and keep it mounted."""
+        if self.running() or holder in self.holders():
             self.request({"op": "release", "holder": holder})
 
     def status(self) -> dict[str, Any]:
