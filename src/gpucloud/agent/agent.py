@@ -114,7 +114,9 @@ class Agent:
         body.access_host_key = self.access.host_public_key
         self.images = ImageManager(config.state_dir,
                                    credentials=registry_logins(config.state_dir),
-                                   lazy=node_lazyfs(config.state_dir))
+                                   lazy=node_lazyfs(
+                                       config.state_dir, cache_limit=config.lazy_cache_bytes,
+                                       read_deadline=config.lazy_read_deadline_seconds))
         self.network = node_network(config.state_dir, mode=config.network_mode,
                                     pod_cidr=config.pod_cidr, address=config.address,
                                     port_range=config.port_range)

@@ -97,6 +97,11 @@ class AgentConfig:
     inject_faults: tuple[str, ...] = ()
     fault_file: Path | None = None
     auto_uncordon: bool = True
+    #: The node's lazyfs daemon (images/lazy/daemon.py): its chunk cache's size and how
+    #: long a lazy read waits for the registry; None: the daemon's defaults (20 GiB, 30 s).
+    #: They apply when the daemon starts: one already running keeps its own.
+    lazy_cache_bytes: int | None = None
+    lazy_read_deadline_seconds: float | None = None
 
     def __post_init__(self) -> None:
         check_dns_label("name", self.name)

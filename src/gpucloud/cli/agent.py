@@ -92,6 +92,14 @@ def agent(
     access_port: Annotated[int, typer.Option(
         help="Port of the pod access server (default 0: any free port)", min=0, max=65535)
     ] = 0,
+    lazy_cache_gib: Annotated[float | None, typer.Option(
+        help="GiB of chunk cache for lazily pulled (eStargz) layers, shared by all pods; "
+             "a layer needing more is pulled whole (default 20; applies when the node's "
+             "lazyfs daemon starts)", min=0.001, max=1 << 20)] = None,
+    lazy_read_deadline: Annotated[float | None, typer.Option(
+        help="Seconds a read of a lazily pulled file waits for the registry before the "
+             "reader gets EIO (default 30; applies when the node's lazyfs daemon starts)",
+        min=0.1, max=3600)] = None,
     usage_interval: Annotated[float, typer.Option(
         help="Seconds between usage samples of each pod (CPU, memory, GPU, network, disk)",
         min=0.2, max=300)] = 5.0,
@@ -128,6 +136,8 @@ def agent(
             port_range=parse_port_range(port_range) if port_range else None,
             access_host=access_host, access_port=access_port,
             usage_interval_seconds=usage_interval, metrics_port=metrics_port,
+            lazy_cache_bytes=None if lazy_cache_gib is None else int(lazy_cache_gib * 2**30),
+            lazy_read_deadline_seconds=lazy_read_deadline,
             metrics_host=metrics_host, hpc_job_mapping_dir=hpc_job_mapping_dir,
             gpu_sharing=gpu_sharing, health_interval_seconds=health_interval,
             inject_faults=tuple(inject_fault or ()), fault_file=fault_file,

@@ -20,7 +20,7 @@ import pytest
 
 from gpucloud.images.client import RegistryClient
 from gpucloud.images.lazy.client import LazyfsClient
-from gpucloud.images.lazy.mounter import RESTARTED_MESSAGE, LazyMounter
+from gpucloud.images.lazy.mounter import RESTARTED_MESSAGE, LazyMounter, node_lazyfs
 from gpucloud.images.store import BlobStore
 from tests.fixtures.registry import Registry, start_registry
 from tests.integration.images.lazy_testing import estargz_image
@@ -124,5 +124,19 @@ def test_a_pod_released_while_the_daemon_is_down_is_not_mounted_again(
         assert str(pod) not in client.holders()
         assert layer.digest not in client.status()["layers"]
         assert not os.path.ismount(mnt)
+    finally:
+        client.shutdown()
+
+
+def test_the_agents_lazyfs_settings_reach_the_daemon_it_starts(tmp_path: Path) -> None:
+    """``gpucloud agent --lazy-cache-gib/--lazy-read-deadline`` (AgentConfig) go to the
+    daemon the node's client starts."""
+    client = node_lazyfs(tmp_path / "state", cache_limit=5 << 20, read_deadline=7.5)
+    assert client is not None
+    try:
+        client.ensure_running()
+        argv = Path(f"/proc/{client.pid()}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--cache-limit") + 1] == str(5 << 20).encode()
+        assert argv[argv.index(b"--read-deadline") + 1] == b"7.5"
     finally:
         client.shutdown()

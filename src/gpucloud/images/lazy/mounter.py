@@ -38,12 +38,14 @@ RESTARTED_MESSAGE = (
     "cached fail (ENOTCONN) until the pod is restarted")
 
 
-def node_lazyfs(state_dir: Path) -> LazyfsClient | None:
+def node_lazyfs(state_dir: Path, *, cache_limit: int | None = None,
+                read_deadline: float | None = None) -> LazyfsClient | None:
     """The node's lazyfs client when lazy mounts can work here (root and /dev/fuse), else
-    None (every layer is then pulled whole)."""
+    None (every layer is then pulled whole); the daemon it starts gets ``cache_limit``
+    bytes of chunk cache and ``read_deadline`` (None: the daemon's defaults)."""
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         return None
-    return LazyfsClient(state_dir)
+    return LazyfsClient(state_dir, cache_limit=cache_limit, read_deadline=read_deadline)
 
 
 def is_lazy_candidate(layer: Descriptor) -> bool:
