@@ -757,6 +757,9 @@ class Plan:
     #: the long polls a second the fleet may send before its poll wait grows
     #: (GPUCLOUD_POLL_RATE, services/lease_ttl.py; None: the server's default)
     poll_rate: float | None = None
+    #: the replicas' worker threads for blocking work (GPUCLOUD_REQUEST_THREADS; None:
+    #: anyio's 40)
+    request_threads: int | None = None
 
     def expected_ttl(self) -> float:
         """The TTL the server grants this fleet once it is registered (lease_ttl.py)."""
@@ -773,6 +776,8 @@ class Plan:
             env["GPUCLOUD_LEASE_RATE"] = str(self.lease_rate)
         if self.poll_rate is not None:
             env["GPUCLOUD_POLL_RATE"] = str(self.poll_rate)
+        if self.request_threads is not None:
+            env["GPUCLOUD_REQUEST_THREADS"] = str(self.request_threads)
         return env
 
 
@@ -1246,6 +1251,7 @@ def _summarize(plan: Plan, workers: Workers, monitor: Monitor, timeline: dict[st
         "server_workers_per_replica": plan.server_workers,
         "lease_ttl_s": plan.ttl, "lease_ttl_granted_s": granted_ttl,
         "lease_rate": plan.lease_rate, "poll_rate": plan.poll_rate,
+        "request_threads": plan.request_threads,
         "long_polls": sum(s.get("polls", 0) for s in stats),
         "poll_wait_max_s": max((s.get("poll_wait_max_s", 0.0) for s in stats), default=0.0),
         "measured_s": round(elapsed, 1),
@@ -1332,13 +1338,17 @@ def main() -> None:
                         help="long polls a second the fleet may send before the server "
                         "asks for longer waits (GPUCLOUD_POLL_RATE; default: the "
                         "server's, 200; 1000000: never)")
+    parser.add_argument("--request-threads", type=int, metavar="N",
+                        help="the replicas' worker threads for blocking work "
+                        "(GPUCLOUD_REQUEST_THREADS; default: anyio's 40)")
     parser.add_argument("--variants", metavar="V1,V2,...",
                         help="run the bench once per variant named, in this order (a "
                         "name may repeat: shared,split,shared,split), each on a fresh "
                         "cluster, and compare them as ratios to the first "
                         "(bench/results/fleet-variants.json); a variant is a topology, "
                         "with :bind=PODS for its bind chunk and :busy=S for its lease "
-                        "busy limit (shared:bind=1000:busy=0,shared:bind=250)")
+                        "busy limit, :threads=N for its request threads "
+                        "(shared:bind=1000:busy=0,shared:bind=250,shared:threads=10)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     # stopped (timeout, kill): unwind, so that the replicas and PostgreSQL are stopped
@@ -1354,7 +1364,7 @@ def main() -> None:
                 server_workers=args.server_workers, backlog=args.backlog,
                 profile_s=args.profile, bind_chunk=args.bind_chunk,
                 lease_busy_s=args.lease_busy_limit, lease_rate=args.lease_rate,
-                poll_rate=args.poll_rate)
+                poll_rate=args.poll_rate, request_threads=args.request_threads)
     plan.ramp_s = plan.agents / 100 if args.ramp is None else args.ramp
     if args.variants:
         _run_variants(plan, args.variants.split(","))
@@ -1405,6 +1415,8 @@ def variant_plan(plan: Plan, variant: str) -> Plan:
                 out = replace(out, lease_rate=float(value))
             elif name == "poll" and float(value) > 0:
                 out = replace(out, poll_rate=float(value))
+            elif name == "threads" and int(value) > 1:
+                out = replace(out, request_threads=int(value))
             else:
                 raise ValueError(knob)
         except ValueError:

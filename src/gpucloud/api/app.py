@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 
 from gpucloud import __version__
@@ -80,6 +81,9 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
         # GIL; a shorter switch interval keeps a busy thread (a scheduling pass) from
         # holding every request up to 5 ms per hop.
         sys.setswitchinterval(GIL_SWITCH_SECONDS)
+        if settings.request_threads is not None:
+            anyio.to_thread.current_default_thread_limiter().total_tokens = (
+                settings.request_threads)
         bridge = None if ctx.db.is_sqlite else NotifyBridge(settings.database_url, ctx.cache)
         if bridge:
             bridge.start()  # wake-ups and cache clears across replicas (a hint)

@@ -108,6 +108,11 @@ class Settings:
     #: GPUCLOUD_WEBHOOK_DENY, comma-separated; default loopback, link-local and the
     #: metadata addresses) and allowed ones that override them (GPUCLOUD_WEBHOOK_ALLOW).
     webhook_egress: EgressPolicy = field(default_factory=EgressPolicy.default)
+    #: Worker threads for the API's blocking work (sync routes and ``run_in_threadpool``:
+    #: anyio's default limiter); None: anyio's 40. Fewer leave the controllers' thread a
+    #: larger share of the GIL on a leader that also answers a large fleet (docs/replicas.md,
+    #: s47). Env GPUCLOUD_REQUEST_THREADS.
+    request_threads: int | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -148,6 +153,7 @@ class Settings:
                 os.environ.get("GPUCLOUD_SERVERLESS_LONG_POLL", "30"))),
             log_wait_recheck_seconds=float(os.environ.get("GPUCLOUD_LOG_WAIT_RECHECK", "1")),
             webhook_egress=_webhook_egress(),
+            request_threads=_request_threads(os.environ.get("GPUCLOUD_REQUEST_THREADS")),
         )
 
 
@@ -158,6 +164,16 @@ def _webhook_egress() -> EgressPolicy:
                               "GPUCLOUD_WEBHOOK_DENY"),
         allowed=parse_networks(os.environ.get("GPUCLOUD_WEBHOOK_ALLOW", ""),
                                "GPUCLOUD_WEBHOOK_ALLOW"))
+
+
+def _request_threads(value: str | None) -> int | None:
+    """``GPUCLOUD_REQUEST_THREADS``: a whole number of threads, 2 to 1,000 (unset: None)."""
+    if not value:
+        return None
+    if not value.strip().isdigit() or not 2 <= int(value) <= 1000:
+        raise ValueError(f"GPUCLOUD_REQUEST_THREADS: {value!r} is not a whole number from "
+                         "2 to 1000")
+    return int(value)
 
 
 def _optional_float(value: str | None) -> float | None:
