@@ -271,27 +271,28 @@ def test_each_chunk_is_resolved_when_verified_not_when_its_request_is() -> None:
     assert futures[1].result() == bytes(b % 251 for b in range(100, 200))
 
 
-def _taken_while_decoding(pipelined: bool) -> list[Priority | None]:
-    """With one prefetch place: what ``take`` gives while the first request decodes."""
-    taken: list[Priority | None] = []
-    sched = FetchScheduler(4, 1, gap=0, prefetch_request=100, clock=Clock(),
-                           threads=False, pipelined=pipelined)
-
-    def take_next(key: str) -> None:
-        if key == "c0":
-            batch = sched.take()
-            taken.append(batch.priority if batch is not None else None)
-
-    sched.submit(Stepwise(take_next), _items((0, 100), (5000, 5100)), Priority.PRIORITY)
-    assert sched.run_one()
-    return taken
-
-
 def test_a_fetch_frees_its_place_on_the_wire_before_its_chunks_are_decoded() -> None:
-    """The next request may go out while the first one's chunks are decoded;
-    ``pipelined=False`` (the old way) holds the place until the end."""
-    assert _taken_while_decoding(True) == [Priority.PRIORITY]
-    assert _taken_while_decoding(False) == [None]
+    """With one prefetch place: no other request goes out while the first is on the wire,
+    and the next one may while the first one's chunks are decoded."""
+    taken: dict[str, Priority | None] = {}
+    sched = FetchScheduler(4, 1, gap=0, prefetch_request=100, clock=Clock(), threads=False)
+
+    def next_priority() -> Priority | None:
+        batch = sched.take()
+        return batch.priority if batch is not None else None
+
+    class Probe(Stepwise):
+        def fetch_span(self, items: list[Item], priority: Priority) -> bytes:
+            taken.setdefault("on the wire", next_priority())
+            return super().fetch_span(items, priority)
+
+    def while_decoding(key: str) -> None:
+        if key == "c0":
+            taken.setdefault("decoding", next_priority())
+
+    sched.submit(Probe(while_decoding), _items((0, 100), (5000, 5100)), Priority.PRIORITY)
+    assert sched.run_one()
+    assert taken == {"on the wire": None, "decoding": Priority.PRIORITY}
 
 
 def test_a_corrupt_chunk_fails_its_waiter_after_the_good_ones_are_served() -> None:

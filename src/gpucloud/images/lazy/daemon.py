@@ -111,12 +111,9 @@ class LazyfsDaemon:
         self.cache = ChunkCache(self.root / "cache", cache_limit)
         # One for the node (demand anywhere pauses prefetch); two prefetch fetches on the
         # wire at once, each place with a second thread that decodes the last one's chunks
-        # (scheduler.py). GPUCLOUD_LAZYFS_SERIAL_DECODE=1: the old way, for A/B runs.
-        # A reader waits at most the read deadline for its chunks, then gets EIO.
+        # (scheduler.py). A reader waits at most the read deadline for its chunks, then gets EIO.
         self.scheduler = FetchScheduler(
-            prefetch_workers=2,
-            pipelined=os.environ.get("GPUCLOUD_LAZYFS_SERIAL_DECODE") != "1",
-            read_deadline=read_deadline)
+            prefetch_workers=2, read_deadline=read_deadline)
         self._read_deadline = read_deadline
         self._lock = threading.RLock()
         self._mounts: dict[str, _Mounted] = {}

@@ -157,16 +157,12 @@ class FetchScheduler:
         bulk_quiet: float = BULK_QUIET,
         clock: Callable[[], float] = time.monotonic,
         threads: bool = True,
-        pipelined: bool = True,
         read_deadline: float | None = None,
     ) -> None:
         """``workers`` demand fetches (run by the reading threads) and ``prefetch_workers``
         prefetch fetches (on twice as many threads: one decodes while the other is on the
         wire) at once; ``threads=False`` starts no thread (the caller runs ``run_one``).
-        ``read_deadline``: seconds a demand reader waits for its chunks (None: no limit).
-        ``pipelined=False``: the old way, for A/B runs: a fetch holds its place on the
-        wire while it decodes, its futures are resolved when all its chunks are done, and
-        there is one thread per place."""
+        ``read_deadline``: seconds a demand reader waits for its chunks (None: no limit)."""
         self._workers = max(1, workers)
         self._prefetch_workers = prefetch_workers
         self._gap = gap
@@ -174,7 +170,6 @@ class FetchScheduler:
         self._prefetch_request = prefetch_request
         self._bulk_quiet = bulk_quiet
         self._clock = clock
-        self._pipelined = pipelined
         self._read_deadline = read_deadline
         lock = threading.RLock()
         # Two conditions on one lock: the prefetch threads wait for work or a free place
@@ -189,7 +184,7 @@ class FetchScheduler:
         self._last_demand = clock()
         self._closed = False
         self.stats = SchedulerStats()
-        count = (2 * prefetch_workers if pipelined else prefetch_workers) if threads else 0
+        count = 2 * prefetch_workers if threads else 0
         self._threads = [threading.Thread(target=self._work, daemon=True,
                                           name=f"lazy-fetch-{n}") for n in range(count)]
         for thread in self._threads:
@@ -394,22 +389,16 @@ class FetchScheduler:
         return True
 
     def _run(self, batch: Batch) -> None:
-        """Fetch, free the place on the wire, decode: each chunk resolved when verified
-        (``pipelined=False``: the place held and the futures resolved at the end)."""
+        """Fetch, free the place on the wire, decode: each chunk resolved when verified."""
         try:
             blob = batch.source.fetch_span(batch.items, batch.priority)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter
             self.finish(batch, None, exc)
             return
-        if self._pipelined:
-            self._off_wire(batch)
+        self._off_wire(batch)
         pending = {entry.item.key: entry for entry in batch.entries}
-        got: dict[str, bytes] = {}
 
         def deliver(key: str, data: bytes) -> None:
-            if not self._pipelined:
-                got[key] = data
-                return
             entry = pending.pop(key, None)
             if entry is not None:
                 self._settle([entry], {key: data}, None)
@@ -419,9 +408,7 @@ class FetchScheduler:
             batch.source.decode_items(batch.items, blob, deliver)
         except BaseException as exc:  # noqa: BLE001 - handed to the chunks' waiters
             error = exc
-        if not self._pipelined:
-            self.finish(batch, got, error)
-        elif pending:
+        if pending:
             self._settle(pending.values(), {}, error)
 
     def _take_locked(self, prefetch_only: bool = False) -> Batch | None:
