@@ -37,7 +37,7 @@ from gpucloud.runtime.bundle import Bundle, ContainerSpec, ImageConfig, build_bu
 from gpucloud.runtime.cuda_checkpoint import SuspendedGpus
 from gpucloud.runtime.errors import RuncError
 from gpucloud.runtime.layout import CONTAINER_ID, ContainerPaths, read_json, write_json_atomic
-from gpucloud.runtime.supervisor import runc_error
+from gpucloud.runtime.supervisor import has_private_network, runc_error
 from gpucloud.runtime.zygote import Zygote, ZygoteUnavailable
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class RuncDriver:
         bundle = build_bundle(paths, rootfs, image, spec,
                               cgroup_path=self.cgroup_path(spec.container_id),
                               cdi_edits=cdi_edits)
-        self._private_network[spec.container_id] = not spec.host_network and not spec.netns
+        self._private_network[spec.container_id] = has_private_network(bundle.config)
         return bundle
 
     def start(self, container_id: str, *, pipe_log: bool = False,

@@ -158,11 +158,12 @@ def _loopback_up(pid: int) -> None:
         _log(f"could not bring up loopback in the network namespace of {pid}")
 
 
-def _has_private_network(config: Path) -> bool:
-    """Whether the bundle's container gets a network namespace of its own (only loopback,
-    which runc leaves down), read from its ``config.json``: for a request that does not
-    say (``--private-network``)."""
-    namespaces = json.loads(config.read_text()).get("linux", {}).get("namespaces", [])
+def has_private_network(config: dict[str, Any]) -> bool:
+    """Whether a bundle's container (its ``config.json``) gets a network namespace of its
+    own (only loopback, which runc leaves down): the driver asks of the config it built,
+    and the supervisor of the bundle's file for a request that does not say
+    (``--private-network``)."""
+    namespaces = config.get("linux", {}).get("namespaces", [])
     return any(ns.get("type") == "network" and not ns.get("path") for ns in namespaces)
 
 
@@ -444,7 +445,7 @@ class Supervisor:
         said (it built the bundle: no read of ``config.json`` on the hand-over, 0.6 ms in
         a spare, s44), else as the bundle says."""
         if self.private_network is None:
-            self.private_network = _has_private_network(self.paths.config)
+            self.private_network = has_private_network(json.loads(self.paths.config.read_text()))
         return self.private_network
 
     def _delete(self) -> None:
