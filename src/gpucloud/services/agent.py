@@ -190,13 +190,13 @@ def _bound_pod(session: Session, node_id: str, pod_id: str) -> PodModel:
 #: commits (a new grant, or any change to the node's assignments, waits for it, and the
 #: pod is read after it). One narrow column: every pod report runs it, and loading the
 #: node's wide row (its GPUs, labels, capacity) into the ORM cost more than the query.
-_LOCKED_TOKEN = (select(NodeModel.fencing_token).where(NodeModel.id == bindparam("node_id"))
-                 .with_for_update())
+#: The node's fencing token (a log chunk reads it as it is; a report under a lock).
+_NODE_TOKEN = select(NodeModel.fencing_token).where(NodeModel.id == bindparam("node_id"))
+_LOCKED_TOKEN = _NODE_TOKEN.with_for_update()
 #: The token under a share lock: a re-registration or lease grant (which changes it) still
 #: waits for the report's commit, but reports of other pods on the same node do not wait
 #: for one another (PostgreSQL; SQLite has one writer and no row locks).
-_SHARED_TOKEN = (select(NodeModel.fencing_token).where(NodeModel.id == bindparam("node_id"))
-                 .with_for_update(read=True))
+_SHARED_TOKEN = _NODE_TOKEN.with_for_update(read=True)
 
 
 def _token_lock(report: AgentPodStatusRequest) -> Select[int]:
@@ -353,7 +353,6 @@ def append_log(ctx: ServiceContext, node_id: str, pod_id: str,
 #: A log chunk's statements, built once (every chunk a pod ships runs them) and run on
 #: the connection (no ORM rows): the node's token, the pod's node and attempt, the
 #: attempt's last chunk (where the next must start), the insert.
-_NODE_TOKEN = select(NodeModel.fencing_token).where(NodeModel.id == bindparam("node_id"))
 _POD_PLACE = select(PodModel.node_id, PodModel.attempt).where(
     PodModel.id == bindparam("pod_id"))
 _LAST_CHUNK = (select(PodLogChunkModel.offset, PodLogChunkModel.data)
