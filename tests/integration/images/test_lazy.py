@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,7 @@ from tests.integration.images.lazy_testing import (
     rangeless_proxy,
     tree_hashes,
 )
+from tests.integration.runtime.runc_testing import wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
                                 reason="needs root and /dev/fuse")
@@ -56,15 +57,6 @@ FILES: dict[str, bytes | str | object] = {
     "bin/tool": file(b"#!/bin/sh\necho tool\n", 0o755),
     "gone": whiteout(),
 }
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -286,7 +278,7 @@ def test_shared_mount_is_refcounted_and_prefetch_completes(registry: Registry, t
     second = _mount(lazyfs, registry.host, "lazy-shared", lazy, toc, "pod-b")
     assert first == second
     digest = lazy.image.layers[0].digest  # type: ignore[attr-defined]
-    wait_for(lambda: lazyfs.status()["layers"][digest]["prefetch_done"], what="prefetch")
+    wait_until(lambda: lazyfs.status()["layers"][digest]["prefetch_done"], what="prefetch")
     layer = lazyfs.status()["layers"][digest]
     assert layer["local"] == layer["total"] == len(BIG) + 2200 + 20 + 24
     assert sorted(layer["holders"]) == ["pod-a", "pod-b"]
@@ -350,7 +342,7 @@ def test_daemon_restart_with_registry_down_serves_the_cache(tmp_path: Path) -> N
             assert (mnt / "etc/hello.txt").read_text() == "hello from a lazy layer\n"
             old = client.pid()
         os.kill(old, signal.SIGKILL)  # the registry is gone too
-        wait_for(lambda: not client.running(), what="daemon death")
+        wait_until(lambda: not client.running(), what="daemon death")
         with pytest.raises(OSError) as dead:
             os.listdir(mnt / "opt")  # what the kernel has not cached needs the dead daemon
         assert dead.value.errno == errno.ENOTCONN

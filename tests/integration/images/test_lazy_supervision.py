@@ -11,8 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from gpucloud.images.lazy.mounter import RESTARTED_MESSAGE, LazyMounter, node_la
 from gpucloud.images.store import BlobStore
 from tests.fixtures.registry import Registry, start_registry
 from tests.integration.images.lazy_testing import estargz_image
+from tests.integration.runtime.runc_testing import wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
                                 reason="needs root and /dev/fuse")
@@ -38,14 +38,6 @@ FILES: dict[str, bytes | str | object] = {
 def registry(tmp_path: Path) -> Iterator[Registry]:
     with start_registry(tmp_path / "registry") as running:
         yield running
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _node(tmp_path: Path, registry: Registry, repository: str
@@ -76,7 +68,7 @@ def test_a_dead_daemon_is_started_again_and_its_pods_are_told(registry: Registry
         old = client.pid()
 
         os.kill(old, signal.SIGKILL)
-        wait_for(lambda: not client.running(), what="the daemon's death")
+        wait_until(lambda: not client.running(), what="the daemon's death")
         with pytest.raises(OSError) as dead:
             os.listdir(mnt / "opt")  # not in the kernel's cache: needs the dead daemon
         assert dead.value.errno == errno.ENOTCONN
@@ -102,7 +94,7 @@ def test_a_dead_daemon_is_left_alone_when_no_pod_holds_a_lazy_mount(registry: Re
                      size=len(layer.data), toc_digest=toc_digest, holder=str(pod))
         client.release(str(pod))
         os.kill(client.pid(), signal.SIGKILL)
-        wait_for(lambda: not client.running(), what="the daemon's death")
+        wait_until(lambda: not client.running(), what="the daemon's death")
         other = tmp_path / "containers" / "pod-b"  # a pod of fully pulled layers
         assert mounter.take_events(pod) == [] and mounter.take_events(other) == []
         assert not client.running()
@@ -119,7 +111,7 @@ def test_a_pod_released_while_the_daemon_is_down_is_not_mounted_again(
                            repository="lazy-released", size=len(layer.data),
                            toc_digest=toc_digest, holder=str(pod))
         os.kill(client.pid(), signal.SIGKILL)
-        wait_for(lambda: not client.running(), what="the daemon's death")
+        wait_until(lambda: not client.running(), what="the daemon's death")
         mounter.release(pod)  # the pod was removed meanwhile
         assert str(pod) not in client.holders()
         assert layer.digest not in client.status()["layers"]
