@@ -57,7 +57,7 @@ from gpucloud.images.lazy.fetch import RangeFetcher, RangeUnsupported
 from gpucloud.images.lazy.fs import raise_readahead, serve
 from gpucloud.images.lazy.layer import LazyLayer, check_toc_offsets, read_toc
 from gpucloud.images.lazy.scheduler import FetchScheduler
-from gpucloud.images.lazy.toc import HIDDEN_ROOT_NAMES, Toc, parse_toc
+from gpucloud.images.lazy.toc import Toc, parse_toc
 from gpucloud.images.lazy.trace import mark
 from gpucloud.images.rootfs import unmount
 from gpucloud.images.store import digest_hex
@@ -247,11 +247,11 @@ class LazyfsDaemon:
         mark("daemon.mount.start", digest=spec.digest)
         fetcher = self._fetcher(spec, credentials)
         toc = self._toc(spec, fetcher)
-        check_fits(toc, self.cache.limit)
         mark("daemon.mount.toc", digest=spec.digest)
         layer = LazyLayer(spec.digest, toc, fetcher, self.cache,
                           lambda reason, message: self.event(reason, message, spec.digest),
                           self.scheduler)
+        check_fits(layer, self.cache.limit)
         path = self.mnt / digest_hex(spec.digest)
         path.mkdir(parents=True, exist_ok=True)
         stop, ready = threading.Event(), threading.Event()
@@ -349,20 +349,12 @@ class LazyfsDaemon:
         return [LayerSpec(**item) for item in raw if isinstance(item, dict)]
 
 
-def cache_bytes(toc: Toc) -> int:
-    """Uncompressed bytes the layer's files take in the chunk cache once all are fetched:
-    each distinct chunk once (the cache is content-addressed; landmarks are never cached)."""
-    sizes = {ref.digest: ref.chunk_size for path, refs in toc.chunk_map().items()
-             if path not in HIDDEN_ROOT_NAMES for ref in refs}
-    return sum(sizes.values())
-
-
-def check_fits(toc: Toc, cache_limit: int) -> None:
-    """``LayerTooLarge`` unless the whole layer fits in the chunk cache. Checked on the TOC,
-    not on the blob's compressed size known before it: the cache holds uncompressed chunks,
-    which text-heavy layers have 3-4 times more of, and a refused layer's TOC (a small tail
-    read) costs little beside the full pull that follows."""
-    need = cache_bytes(toc)
+def check_fits(layer: LazyLayer, cache_limit: int) -> None:
+    """``LayerTooLarge`` unless the whole layer fits in the chunk cache. Checked on the TOC
+    (``LazyLayer.total_bytes``), not on the blob's compressed size known before it: the
+    cache holds uncompressed chunks, which text-heavy layers have 3-4 times more of, and a
+    refused layer's TOC (a small tail read) costs little beside the full pull that follows."""
+    need = layer.total_bytes()
     if need > cache_limit:
         raise LayerTooLarge(
             f"the layer's files need {need:,} bytes of chunk cache (uncompressed), more "

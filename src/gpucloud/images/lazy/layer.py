@@ -397,9 +397,17 @@ class LazyLayer:
 
     def local_bytes(self) -> tuple[int, int]:
         """(uncompressed bytes cached, uncompressed bytes in total) of this layer's files."""
-        refs = {r.digest: r.chunk_size for r in self.all_chunks()}
+        refs = self._chunk_sizes()
         local = sum(size for digest, size in refs.items() if self._cache.has(digest))
         return local, sum(refs.values())
+
+    def total_bytes(self) -> int:
+        """What this layer's files take in the (content-addressed) chunk cache once all
+        are fetched: each distinct chunk once, uncompressed; landmarks are not cached."""
+        return sum(self._chunk_sizes().values())
+
+    def _chunk_sizes(self) -> dict[str, int]:
+        return {r.digest: r.chunk_size for r in self.all_chunks()}
 
 
 _URL = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?:[^/\s@]*@)?"
