@@ -758,7 +758,7 @@ class Plan:
     #: (GPUCLOUD_POLL_RATE, services/lease_ttl.py; None: the server's default)
     poll_rate: float | None = None
     #: the replicas' worker threads for blocking work (GPUCLOUD_REQUEST_THREADS; None:
-    #: anyio's 40)
+    #: the server's, 10)
     request_threads: int | None = None
 
     def expected_ttl(self) -> float:
@@ -1340,7 +1340,7 @@ def main() -> None:
                         "server's, 200; 1000000: never)")
     parser.add_argument("--request-threads", type=int, metavar="N",
                         help="the replicas' worker threads for blocking work "
-                        "(GPUCLOUD_REQUEST_THREADS; default: anyio's 40)")
+                        "(GPUCLOUD_REQUEST_THREADS; default: the server's, 10)")
     parser.add_argument("--variants", metavar="V1,V2,...",
                         help="run the bench once per variant named, in this order (a "
                         "name may repeat: shared,split,shared,split), each on a fresh "

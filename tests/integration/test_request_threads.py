@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpucloud.api.app import create_app
-from gpucloud.core.settings import Settings
+from gpucloud.core.settings import DEFAULT_REQUEST_THREADS, Settings
 
 
 async def _threads() -> float:
@@ -23,9 +23,12 @@ def test_the_apps_worker_threads_are_the_setting(settings: Settings) -> None:
         assert client.get("/healthz").status_code == 200
 
 
-def test_unset_leaves_anyios_default(settings: Settings) -> None:
+def test_unset_is_the_default_not_anyios_40(monkeypatch: pytest.MonkeyPatch,
+                                           settings: Settings) -> None:
+    monkeypatch.delenv("GPUCLOUD_REQUEST_THREADS", raising=False)
+    assert Settings.from_env().request_threads == DEFAULT_REQUEST_THREADS == 10
     with TestClient(create_app(settings)) as client:
-        assert client.portal is not None and client.portal.call(_threads) == 40
+        assert client.portal is not None and client.portal.call(_threads) == 10
 
 
 @pytest.mark.parametrize("raw", ["1", "0", "-3", "many", "2.5", "1001"])

@@ -81,9 +81,8 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
         # GIL; a shorter switch interval keeps a busy thread (a scheduling pass) from
         # holding every request up to 5 ms per hop.
         sys.setswitchinterval(GIL_SWITCH_SECONDS)
-        if settings.request_threads is not None:
-            anyio.to_thread.current_default_thread_limiter().total_tokens = (
-                settings.request_threads)
+        anyio.to_thread.current_default_thread_limiter().total_tokens = (
+            settings.request_threads)
         bridge = None if ctx.db.is_sqlite else NotifyBridge(settings.database_url, ctx.cache)
         if bridge:
             bridge.start()  # wake-ups and cache clears across replicas (a hint)

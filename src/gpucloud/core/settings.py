@@ -18,6 +18,9 @@ def gpucloud_home() -> Path:
 
 #: The most a replica may trust a cached API key (seconds): the revocation bound.
 MAX_AUTH_CACHE_TTL = 30.0
+#: The API's worker threads unless GPUCLOUD_REQUEST_THREADS says otherwise (see
+#: ``Settings.request_threads``).
+DEFAULT_REQUEST_THREADS = 10
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,12 @@ class Settings:
     #: metadata addresses) and allowed ones that override them (GPUCLOUD_WEBHOOK_ALLOW).
     webhook_egress: EgressPolicy = field(default_factory=EgressPolicy.default)
     #: Worker threads for the API's blocking work (sync routes and ``run_in_threadpool``:
-    #: anyio's default limiter); None: anyio's 40. Fewer leave the controllers' thread a
-    #: larger share of the GIL on a leader that also answers a large fleet (docs/replicas.md,
-    #: s47). Env GPUCLOUD_REQUEST_THREADS.
-    request_threads: int | None = None
+    #: anyio's default limiter, 40 unless set). A replica's Python runs on one core (the
+    #: GIL) and its database waits need few threads; more only queue for the GIL and the
+    #: pool, and starve the controllers' thread on a leader that answers a large fleet
+    #: (docs/replicas.md: 10 drained a 10,000-node backlog 1.4-2.1x faster than 40, and
+    #: bench/api.py's creates were no slower). Env GPUCLOUD_REQUEST_THREADS.
+    request_threads: int = DEFAULT_REQUEST_THREADS
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -166,10 +171,11 @@ def _webhook_egress() -> EgressPolicy:
                                "GPUCLOUD_WEBHOOK_ALLOW"))
 
 
-def _request_threads(value: str | None) -> int | None:
-    """``GPUCLOUD_REQUEST_THREADS``: a whole number of threads, 2 to 1,000 (unset: None)."""
+def _request_threads(value: str | None) -> int:
+    """``GPUCLOUD_REQUEST_THREADS``: a whole number of threads, 2 to 1,000 (unset: the
+    default)."""
     if not value:
-        return None
+        return DEFAULT_REQUEST_THREADS
     if not value.strip().isdigit() or not 2 <= int(value) <= 1000:
         raise ValueError(f"GPUCLOUD_REQUEST_THREADS: {value!r} is not a whole number from "
                          "2 to 1000")
