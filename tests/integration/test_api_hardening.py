@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from gpucloud.api.limits import DEFAULT_BODY_LIMIT, check_json_body
+from gpucloud.api.limits import (
+    DEFAULT_BODY_LIMIT,
+    MAX_PATH_SEGMENT,
+    MAX_QUERY_VALUE,
+    check_json_body,
+    check_url,
+)
 from gpucloud.core.errors import InvalidInput
 from gpucloud.core.quantities import parse_cpu_milli, parse_duration, parse_memory
 
@@ -88,6 +94,30 @@ def test_unparsable_json_is_422_naming_the_body(api: TestClient) -> None:
         _refused(response, "body")
 
 
+def test_a_path_segment_past_its_bound_is_422_before_any_route(api: TestClient) -> None:
+    ok = api.get("/v1/pods/" + "a" * MAX_PATH_SEGMENT)
+    assert ok.status_code == 404  # at the bound: the route answers
+    _refused(api.get("/v1/pods/" + "a" * (MAX_PATH_SEGMENT + 1)), "path")
+    _refused(api.post("/v1/nodes/" + "n" * 5000 + "/cordon"), "path")
+    _refused(api.delete("/v1/pods/" + "%C3%A9" * (MAX_PATH_SEGMENT + 1)), "path")  # decoded
+    assert api.get("/v1/pods").json() == []
+
+
+def test_a_query_value_past_its_bound_is_422_naming_it(api: TestClient) -> None:
+    long = "1," * (MAX_QUERY_VALUE // 2) + "1"
+    _refused(api.get("/v1/jobs/nope/logs", params={"offsets": long}), "offsets")
+    # Below the bound the route decides (its own limit on positions, here).
+    response = api.get("/v1/jobs/nope/logs", params={"offsets": "1," * 2000 + "1"})
+    assert response.status_code in (404, 422) and response.json().get("field") != "path"
+
+
+def test_url_check_measures_decoded_values() -> None:
+    assert check_url("/v1/pods/" + "é" * MAX_PATH_SEGMENT, b"") is None
+    assert check_url("/v1/pods", b"a=" + b"%41" * MAX_QUERY_VALUE) is None  # decodes to A*N
+    assert check_url("/v1/pods", b"a=" + b"%41" * (MAX_QUERY_VALUE + 1)) == (
+        "a", f"a: at most {MAX_QUERY_VALUE} characters")
+
+
 def test_405_lists_every_method_of_the_path(api: TestClient) -> None:
     response = api.request("OPTIONS", "/v1/pods/abc")
     assert response.status_code == 405
@@ -110,6 +140,12 @@ def test_openapi_describes_errors_and_both_credentials(app_client: TestClient) -
     for operation in (op for item in schema["paths"].values() for op in item.values()):
         assert not any(p["name"].lower() == "authorization"
                        for p in operation.get("parameters", []))
+        for parameter in operation.get("parameters", []):  # every string in the URL bounded
+            if parameter["in"] not in ("path", "query"):
+                continue
+            for option in parameter["schema"].get("anyOf", [parameter["schema"]]):
+                if option.get("type") == "string" and "enum" not in option:
+                    assert option["maxLength"] <= MAX_QUERY_VALUE, parameter
 
 
 def test_quantity_parsers_refuse_what_would_overflow() -> None:

@@ -16,6 +16,11 @@ NUL character in any string or key (PostgreSQL's text cannot store one; SQLite c
 without this the same request would work on one database and fail on the other). Pod
 output is the exception: a program may print NUL, and the agent's log route keeps it
 (the log service stores it as a space, same byte length).
+
+The URL is bounded the same way, before routing, so that no route's path or query
+parameter is an unbounded string: a path segment (a name, an id) has at most
+``MAX_PATH_SEGMENT`` characters and a query value at most ``MAX_QUERY_VALUE`` (422 naming
+the parameter, or ``path``); the OpenAPI document states both bounds (api/openapi.py).
 """
 
 from __future__ import annotations
@@ -24,11 +29,16 @@ import json
 import math
 import re
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_BODY_LIMIT = 1024 * 1024
+#: The longest path segment: every name and id the API takes is far shorter (names 63).
+MAX_PATH_SEGMENT = 256
+#: The longest query value: a job's log ``offsets`` (up to 1,024 positions) is the longest.
+MAX_QUERY_VALUE = 16 * 1024
 AGENT_BODY_LIMIT = 16 * 1024 * 1024
 AGENT_PREFIX = "/v1/agent/"
 INT64_MIN = -(2**63)
@@ -60,6 +70,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        url_problem = check_url(scope["path"], scope.get("query_string", b""))
+        if url_problem is not None:
+            await _send_error(send, 422, url_problem[1], url_problem[0])
+            return
         limit = body_limit(scope["path"])
         declared = _content_length(scope)
         if declared is not None and declared > limit:
@@ -79,6 +93,24 @@ class BodyLimitMiddleware:
                 return
             receive = replay_body(body, receive)
         await self.app(scope, receive, send)
+
+
+def check_url(path: str, query_string: bytes) -> tuple[str, str] | None:
+    """(field, message) when a path segment or a query value is past its bound; None
+    when none is. ``path`` is decoded already (ASGI); the query is decoded here, as the
+    router will (an undecodable one is left to it)."""
+    if any(len(segment) > MAX_PATH_SEGMENT for segment in path.split("/")):
+        return "path", f"path: a segment is longer than {MAX_PATH_SEGMENT} characters"
+    if len(query_string) <= MAX_QUERY_VALUE:
+        return None  # no value can be longer than the whole query
+    try:
+        pairs = parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)
+    except ValueError:
+        return None
+    for name, value in pairs:
+        if len(value) > MAX_QUERY_VALUE:
+            return name, f"{name}: at most {MAX_QUERY_VALUE} characters"
+    return None
 
 
 def check_json_body(body: bytes, nul_allowed: bool = False) -> tuple[str, str] | None:

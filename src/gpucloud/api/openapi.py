@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from gpucloud.api.limits import INT64_MAX, INT64_MIN
+from gpucloud.api.limits import INT64_MAX, INT64_MIN, MAX_PATH_SEGMENT, MAX_QUERY_VALUE
 from gpucloud.core.models import ErrorOut
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorOut"}
@@ -97,6 +97,7 @@ def build(app: FastAPI) -> dict[str, Any]:
         for method in _METHODS:
             if method in path_item:
                 _describe(path_item[method], error_codes(method, path_item[method]))
+                _bound_parameters(path_item[method])
     _drop_fastapi_validation(schema)
     for name, model in components["schemas"].items():
         _bound_values(model, nul_allowed=name in _NUL_ALLOWED)
@@ -106,6 +107,21 @@ def build(app: FastAPI) -> dict[str, Any]:
 #: Request bodies whose strings may hold NUL (``api.limits._NUL_ALLOWED``'s route).
 _NUL_ALLOWED = {"AgentLogChunkRequest"}
 NO_NUL = "^[^\\x00]*$"
+
+
+#: The longest string ``api.limits.check_url`` lets through, by where a parameter is.
+_PARAMETER_LENGTH = {"path": MAX_PATH_SEGMENT, "query": MAX_QUERY_VALUE}
+
+
+def _bound_parameters(operation: dict[str, Any]) -> None:
+    """State on every string parameter the length ``api.limits`` enforces (a route's own,
+    shorter bound stays)."""
+    for parameter in operation.get("parameters", []):
+        bound = _PARAMETER_LENGTH.get(parameter.get("in", ""))
+        schema = parameter.get("schema", {})
+        for option in schema.get("anyOf", [schema]):
+            if bound is not None and option.get("type") == "string" and "enum" not in option:
+                option["maxLength"] = min(option.get("maxLength", bound), bound)
 
 
 def _bound_values(node: Any, nul_allowed: bool) -> None:
