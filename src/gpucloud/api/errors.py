@@ -110,12 +110,27 @@ def database_unavailable(error: SQLAlchemyError) -> bool:
     return isinstance(error, DBAPIError) and error.connection_invalidated
 
 
+#: PostgreSQL's SQLSTATE for a statement cut by ``statement_timeout`` (query_canceled).
+_STATEMENT_CUT = "57014"
+
+
+def unavailable_detail(error: SQLAlchemyError) -> str:
+    """What a 503 says: a busy replica (no pooled connection free in time) or a busy
+    database (a statement cut at its timeout) are not a database that is down, and an
+    operator reading the answer should not go looking for one."""
+    if isinstance(error, PoolTimeout):
+        return "the server is busy (no database connection free); retry shortly"
+    if getattr(getattr(error, "orig", None), "sqlstate", None) == _STATEMENT_CUT:
+        return "the database is busy (the statement timed out); retry shortly"
+    return "the database is unavailable; retry shortly"
+
+
 async def _database_error(_: Request, error: SQLAlchemyError) -> JSONResponse:
     """The database is down or restarting: 503 with Retry-After, never a 500 trace; the
     pool has dropped the dead connections, so the next request reconnects by itself."""
     if not database_unavailable(error):
         raise error
-    response = _error_response(503, "the database is unavailable; retry shortly", None)
+    response = _error_response(503, unavailable_detail(error), None)
     response.headers["Retry-After"] = str(DATABASE_RETRY_AFTER_SECONDS)
     return response
 
