@@ -83,7 +83,8 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
         sys.setswitchinterval(GIL_SWITCH_SECONDS)
         anyio.to_thread.current_default_thread_limiter().total_tokens = (
             settings.request_threads)
-        bridge = None if ctx.db.is_sqlite else NotifyBridge(settings.database_url, ctx.cache)
+        bridge = (NotifyBridge(settings.database_url, ctx.cache)
+                  if settings.notify and not ctx.db.is_sqlite else None)
         if bridge:
             bridge.start()  # wake-ups and cache clears across replicas (a hint)
         runner = ControllerRunner(ctx) if run_controllers and settings.controllers else None

@@ -49,6 +49,11 @@ class Settings:
     #: API replica that never leads, so agents behind the balancer never share a process
     #: with the scheduler (docs/replicas.md). Env GPUCLOUD_CONTROLLERS=0.
     controllers: bool = True
+    #: Whether replicas hint each other through PostgreSQL's LISTEN/NOTIFY (wake-ups,
+    #: cache clears). False behind a pooler that cannot hold a LISTEN (PgBouncer in
+    #: transaction mode): everything still arrives by polling, within its stated bounds
+    #: (docs/replicas.md). Env GPUCLOUD_NOTIFY=0.
+    notify: bool = True
     scheduler_profile: str = "default"
     restart_backoff_seconds: float = 5.0
     restart_backoff_max_seconds: float = 300.0
@@ -133,6 +138,7 @@ class Settings:
                 os.environ.get("GPUCLOUD_AUTH_CACHE_TTL", "5"))),
             scheduler_profile=os.environ.get("GPUCLOUD_SCHEDULER_PROFILE", "default"),
             controllers=os.environ.get("GPUCLOUD_CONTROLLERS", "1") != "0",
+            notify=os.environ.get("GPUCLOUD_NOTIFY", "1") != "0",
             preemption_grace_seconds=_optional_float(
                 os.environ.get("GPUCLOUD_PREEMPTION_GRACE")),
             max_draining_nodes=int(os.environ.get("GPUCLOUD_MAX_DRAINING_NODES", "1")),
