@@ -41,24 +41,36 @@ _databases = itertools.count(1)
 
 class Postgres:
     """A throwaway PostgreSQL cluster on 127.0.0.1 that a test may stop and start again
-    (same port, same data): ``tests.fixtures.postgres`` only starts one for a session."""
+    (same port, same data): ``tests.fixtures.postgres`` only starts one for a session.
 
-    def __init__(self) -> None:
+    With ``primary``, a streaming standby of it instead of a new cluster: a copy by
+    ``pg_basebackup -R -X stream`` (``-R`` writes ``standby.signal`` and the connection
+    back to the primary), read-only until ``promote``."""
+
+    def __init__(self, primary: Postgres | None = None) -> None:
         self.base = Path(tempfile.mkdtemp(prefix="gpucloud-faults-pg-"))
         self.data = self.base / "data"
         self.port = free_port()
         if os.geteuid() == 0:
             os.chown(self.base, pwd.getpwnam("postgres").pw_uid, -1)
-        subprocess.run(_as_postgres([_bin("initdb"), "-D", str(self.data), "-A", "trust",
-                                     "-U", "postgres", "--no-sync"]),
-                       check=True, capture_output=True)
+        if primary is None:
+            # initdb's pg_hba.conf already trusts replication connections from 127.0.0.1
+            # (-A trust), and wal_level=replica with 10 WAL senders are the defaults.
+            command = [_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                       "--no-sync"]
+        else:
+            command = [_bin("pg_basebackup"), "-D", str(self.data), "-h", "127.0.0.1",
+                       "-p", str(primary.port), "-U", "postgres", "-R", "-X", "stream",
+                       "--checkpoint=fast", "--no-sync"]
+        subprocess.run(_as_postgres(command), check=True, capture_output=True)
 
     def start(self) -> None:
         # synchronous_commit stays on: with it off a commit is acknowledged before its WAL
         # is written, and an immediate stop loses it (the restart scenario saw exactly
         # that). fsync=off only matters when the machine itself crashes.
         options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.base} "
-                   "-c max_connections=200 -c fsync=off")
+                   "-c max_connections=200 -c fsync=off -c wal_level=replica "
+                   "-c max_wal_senders=10")
         subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-w",
                                      "-l", str(self.base / "log"), "start"]),
                        check=True, capture_output=True)
@@ -68,18 +80,75 @@ class Postgres:
         subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w",
                                      "stop"]), check=True, capture_output=True)
 
+    def promote(self) -> None:
+        """A standby becomes a primary (read-write) and waits for it (``-w``)."""
+        subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-w", "promote"]),
+                       check=True, capture_output=True)
+
+    def sql(self, query: str, *params: object,
+            dbname: str = "postgres") -> list[tuple[Any, ...]]:
+        """Rows of one statement on this server alone (autocommit)."""
+        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}",
+                             autocommit=True, connect_timeout=5) as connection:
+            cursor = connection.execute(query, params)
+            return cursor.fetchall() if cursor.description else []
+
+    def new_database(self) -> str:
+        """A new empty database's name."""
+        name = f"faults_{os.getpid()}_{next(_databases)}"
+        self.sql(f"CREATE DATABASE {name}")
+        return name
+
     def fresh_database(self) -> str:
         """A new empty database; its SQLAlchemy URL (the server migrates it at start)."""
-        name = f"faults_{os.getpid()}_{next(_databases)}"
-        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres",
-                             autocommit=True) as connection:
-            connection.execute(f"CREATE DATABASE {name}")
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{self.new_database()}"
 
     def close(self) -> None:
         subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate",
                                      "stop"]), capture_output=True)
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+class ReplicaPair:
+    """A primary and its streaming standby, replicating synchronously: every commit the
+    primary acknowledges is on the standby too (``synchronous_standby_names = '*'``,
+    ``synchronous_commit`` on), so promoting the standby after the primary crashed loses
+    no acknowledged write.
+
+    The setting is made on the primary after the base backup (``ALTER SYSTEM``), so the
+    standby's copy lacks it: once promoted, with no standby of its own, its commits do
+    not wait for one."""
+
+    def __init__(self) -> None:
+        self.primary = Postgres()
+        try:
+            self.primary.start()
+            self.standby = Postgres(primary=self.primary)
+        except BaseException:
+            self.primary.close()
+            raise
+        try:
+            self.standby.start()
+            self.primary.sql("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            self.primary.sql("SELECT pg_reload_conf()")
+            wait_for(lambda: self.primary.sql("SELECT sync_state FROM pg_stat_replication")
+                     == [("sync",)], 30, "the standby to replicate synchronously")
+        except BaseException:
+            self.close()
+            raise
+
+    def fresh_database(self) -> tuple[str, str]:
+        """A new empty database (made on the primary, replicated): its name and a
+        SQLAlchemy URL that names both servers, so that libpq connects to whichever one is
+        read-write (the primary, then the promoted standby)."""
+        name = self.primary.new_database()
+        return name, (f"postgresql+psycopg://postgres@/{name}"
+                      f"?host=127.0.0.1:{self.primary.port}&host=127.0.0.1:{self.standby.port}"
+                      "&target_session_attrs=read-write")
+
+    def close(self) -> None:
+        self.standby.close()
+        self.primary.close()
 
 
 class FaultServer(ServerThread):

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 from sqlalchemy import event, text
@@ -68,7 +67,7 @@ from gpucloud.core.errors import (
 )
 from gpucloud.core.settings import Settings
 from gpucloud.core.usage import AgentUsageBatchOut, AgentUsageBatchRequest
-from gpucloud.db.session import Database
+from gpucloud.db.session import Database, libpq_params
 from gpucloud.services import usage
 from gpucloud.services.context import ServiceContext
 
@@ -376,9 +375,11 @@ def follow_api(priority: Priority, mode: CommitMode, every: float = 0.005) -> No
 def renice_backends(engine: Any, database_url: str, priority: Priority) -> bool:
     """Give each new connection's PostgreSQL backend to ``priority`` (False: not
     possible here: a remote server, or SQLite)."""
-    host = urlsplit(database_url.replace("+psycopg", "").replace("+psycopg2", "")).hostname
-    if not database_url.startswith("postgresql") or host not in (None, "", "localhost",
-                                                                   "127.0.0.1", "::1"):
+    if not database_url.startswith("postgresql"):
+        return False
+    hosts = str(libpq_params(database_url).get("host") or "").split(",")  # all (failover)
+    if not all(host in ("", "localhost", "127.0.0.1", "::1") or host.startswith("/")
+               for host in hosts):
         return False
     follow = os.environ.get(BACKENDS_ENV, "normal").strip().lower() == "follow"
 

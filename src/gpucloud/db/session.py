@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import CursorResult, Engine, Executable, Row, create_engine, event
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -37,6 +38,18 @@ def _sqlite_begin(connection: Any) -> None:
 
 
 _READ_ONLY = "gpucloud_read_only"
+
+
+def libpq_params(url: str) -> dict[str, Any]:
+    """The libpq connection parameters of a PostgreSQL SQLAlchemy ``url``, translated as
+    the engine's dialect translates them: a multi-host URL (``?host=h1:p1&host=h2:p2
+    &target_session_attrs=read-write``, which follows a failover) gives ``host="h1,h2"``
+    and ``port="p1,p2"``; so that a connection opened with psycopg itself
+    (``psycopg.conninfo.make_conninfo("", **params)``) goes where the engine's go."""
+    parsed = make_url(url).set(drivername="postgresql+psycopg")
+    _args, params = parsed.get_dialect()().create_connect_args(parsed)
+    params.pop("context", None)  # the dialect's psycopg adapters, not a libpq parameter
+    return dict(params)
 
 
 #: The request pool's connections on PostgreSQL: all kept once opened (no overflow).

@@ -24,8 +24,9 @@ import secrets
 import threading
 
 import psycopg
-from sqlalchemy.engine import make_url
+from psycopg.conninfo import make_conninfo
 
+from gpucloud.db.session import libpq_params
 from gpucloud.services import capacity, serverless_queue, wakeups
 from gpucloud.services.context import TtlCache
 
@@ -61,7 +62,10 @@ PAYLOAD_BYTES = 7900
 
 
 def _dsn(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    """The engine's ``url`` as a libpq conninfo (``libpq_params``): a multi-host URL,
+    rendered back as a URI instead, would have libpq read its last host alone, that host's
+    port as part of its name."""
+    return make_conninfo("", **libpq_params(url))
 
 
 class NotifyBridge:
