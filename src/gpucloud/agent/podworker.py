@@ -207,6 +207,8 @@ class PodWorker:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._abandoned = assignment is None
+        #: The watch loop signalled the container's stop (``abandon`` then leaves it be).
+        self._stop_signalled = False
         self._net: PodNet | None = None
         self._log_shipper: LogShipper | None = None
         #: The log's inotify watch while the first output is awaited (``_pause``).
@@ -258,8 +260,24 @@ class PodWorker:
         self._poke()
 
     def abandon(self) -> None:
-        self._abandoned = True
+        """The pod is not assigned here any more (deleted, or moved after the node was
+        Lost): its started container is killed at once, from the caller's thread, and
+        the worker cleans up without reporting. Not left to the worker's loop alone: it
+        may be held up for long in a write (a log chunk, a report), retried while the
+        server does not hear this node, and the pod already runs elsewhere meanwhile. A
+        stop the worker signalled already keeps its grace, as in the loop."""
+        with self._lock:
+            first, self._abandoned = not self._abandoned, True
         self._poke()
+        if not first or self._stop_signalled \
+                or not self.node.driver.paths(self.cid).supervisor_pid.exists():
+            return
+        try:  # the supervisor applies a stop that comes while it starts the container
+            if self.node.driver.status(self.cid).state in _LIVE:
+                log.info("killing container %s: its pod is no longer assigned here", self.cid)
+                self.node.driver.stop(self.cid, 0.0)
+        except (GpucloudError, OSError) as error:  # ended and removed meanwhile
+            log.debug("killing container %s: %s", self.cid, error)
 
     # -- the worker thread --------------------------------------------------------------
 
@@ -563,7 +581,7 @@ class PodWorker:
                 noticed = self._give_notice()
                 if not (noticed and self._dump_on_notice()):
                     self.node.driver.stop(self.cid, grace, group=noticed)
-                signalled = True
+                signalled = self._stop_signalled = True
             elif signalled and self.notice.newly_acknowledged(self.checkpoints):
                 log.info("pod %s acknowledged its notice: stopping it now", self.cid)
                 self.node.driver.stop(self.cid, 0.0, group=True)
