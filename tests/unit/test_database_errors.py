@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError, InternalError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from gpucloud.api import errors
@@ -38,6 +38,11 @@ def _app(raised: Exception) -> TestClient:
     (_cut(), "the database is busy (the statement timed out); retry shortly"),
     (OperationalError("SELECT 1", {}, psycopg.OperationalError("connection refused")),
      "the database is unavailable; retry shortly"),
+    # A pooled connection to a server that became (or still is) a standby: psycopg's
+    # InternalError, not an OperationalError, yet the failover's to wait out.
+    (InternalError("INSERT", {}, psycopg.errors.ReadOnlySqlTransaction(
+        "cannot execute INSERT in a read-only transaction")),
+     "the database is read-only (a failover is under way?); retry shortly"),
 ])
 def test_each_kind_of_busy_is_a_503_saying_which(raised: Exception, detail: str) -> None:
     response = _app(raised).get("/boom")

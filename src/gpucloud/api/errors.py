@@ -99,6 +99,10 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
 
 #: Seconds a client is told to wait when the database cannot be reached.
 DATABASE_RETRY_AFTER_SECONDS = 2
+#: PostgreSQL's SQLSTATE for a statement cut by ``statement_timeout`` (query_canceled).
+_STATEMENT_CUT = "57014"
+#: PostgreSQL's SQLSTATE for a write on a server that takes none (read_only_sql_transaction).
+_READ_ONLY = "25006"
 
 
 def database_unavailable(error: SQLAlchemyError) -> bool:
@@ -107,11 +111,9 @@ def database_unavailable(error: SQLAlchemyError) -> bool:
     OperationalError and InterfaceError are exactly those."""
     if isinstance(error, (OperationalError, InterfaceError, PoolTimeout)):
         return True
+    if getattr(getattr(error, "orig", None), "sqlstate", None) == _READ_ONLY:
+        return True  # a standby, or a primary being demoted: the failover is under way
     return isinstance(error, DBAPIError) and error.connection_invalidated
-
-
-#: PostgreSQL's SQLSTATE for a statement cut by ``statement_timeout`` (query_canceled).
-_STATEMENT_CUT = "57014"
 
 
 def unavailable_detail(error: SQLAlchemyError) -> str:
@@ -120,8 +122,11 @@ def unavailable_detail(error: SQLAlchemyError) -> str:
     operator reading the answer should not go looking for one."""
     if isinstance(error, PoolTimeout):
         return "the server is busy (no database connection free); retry shortly"
-    if getattr(getattr(error, "orig", None), "sqlstate", None) == _STATEMENT_CUT:
+    state = getattr(getattr(error, "orig", None), "sqlstate", None)
+    if state == _STATEMENT_CUT:
         return "the database is busy (the statement timed out); retry shortly"
+    if state == _READ_ONLY:
+        return "the database is read-only (a failover is under way?); retry shortly"
     return "the database is unavailable; retry shortly"
 
 
