@@ -99,7 +99,8 @@ def check_url(path: str, query_string: bytes) -> tuple[str, str] | None:
     """(field, message) when a path segment or a query value is past its bound; None
     when none is. ``path`` is decoded already (ASGI); the query is decoded here, as the
     router will (an undecodable one is left to it)."""
-    if any(len(segment) > MAX_PATH_SEGMENT for segment in path.split("/")):
+    if len(path) > MAX_PATH_SEGMENT and any(  # on every request: the short path first
+            len(segment) > MAX_PATH_SEGMENT for segment in path.split("/")):
         return "path", f"path: a segment is longer than {MAX_PATH_SEGMENT} characters"
     if len(query_string) <= MAX_QUERY_VALUE:
         return None  # no value can be longer than the whole query
