@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from gpucloud.api.limits import (
     DEFAULT_BODY_LIMIT,
+    LONG_QUERY_VALUES,
     MAX_PATH_SEGMENT,
     MAX_QUERY_VALUE,
     check_json_body,
@@ -104,11 +105,16 @@ def test_a_path_segment_past_its_bound_is_422_before_any_route(api: TestClient) 
 
 
 def test_a_query_value_past_its_bound_is_422_naming_it(api: TestClient) -> None:
-    long = "1," * (MAX_QUERY_VALUE // 2) + "1"
-    _refused(api.get("/v1/jobs/nope/logs", params={"offsets": long}), "offsets")
-    # Below the bound the route decides (its own limit on positions, here).
-    response = api.get("/v1/jobs/nope/logs", params={"offsets": "1," * 2000 + "1"})
-    assert response.status_code in (404, 422) and response.json().get("field") != "path"
+    _refused(api.get("/v1/usage", params={"project": "p" * (MAX_QUERY_VALUE + 1)}), "project")
+    at_bound = api.get("/v1/usage", params={"project": "p" * MAX_QUERY_VALUE})
+    assert at_bound.status_code == 404  # the route decides: no such project
+    # A job's log offsets hold up to 1,024 positions: a longer bound of their own.
+    long = ",".join(f"{rank}:0:{2**40}" for rank in range(1024))
+    assert MAX_QUERY_VALUE < len(long) <= LONG_QUERY_VALUES["offsets"]
+    assert api.get("/v1/jobs/nope/logs", params={"offsets": long}).status_code == 404
+    past = b"offsets=" + b"1" * (LONG_QUERY_VALUES["offsets"] + 1)  # past httpx's own limit
+    assert check_url("/v1/jobs/nope/logs", past) == (
+        "offsets", f"offsets: at most {LONG_QUERY_VALUES['offsets']} characters")
 
 
 def test_url_check_measures_decoded_values() -> None:
@@ -145,7 +151,10 @@ def test_openapi_describes_errors_and_both_credentials(app_client: TestClient) -
                 continue
             for option in parameter["schema"].get("anyOf", [parameter["schema"]]):
                 if option.get("type") == "string" and "enum" not in option:
-                    assert option["maxLength"] <= MAX_QUERY_VALUE, parameter
+                    assert option["maxLength"] <= LONG_QUERY_VALUES["offsets"], parameter
+                    # the worst URL (12 bytes a character) fits the server's request line
+                    ascii_only = parameter["name"] in LONG_QUERY_VALUES and option["pattern"]
+                    assert option["maxLength"] * (1 if ascii_only else 12) < 60_000, parameter
 
 
 def test_quantity_parsers_refuse_what_would_overflow() -> None:

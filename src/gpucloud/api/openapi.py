@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from gpucloud.api.limits import INT64_MAX, INT64_MIN, MAX_PATH_SEGMENT, MAX_QUERY_VALUE
+from gpucloud.api.limits import INT64_MAX, INT64_MIN, MAX_PATH_SEGMENT, query_value_limit
 from gpucloud.core.models import ErrorOut
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorOut"}
@@ -109,16 +109,19 @@ _NUL_ALLOWED = {"AgentLogChunkRequest"}
 NO_NUL = "^[^\\x00]*$"
 
 
-#: The longest string ``api.limits.check_url`` lets through, by where a parameter is.
-_PARAMETER_LENGTH = {"path": MAX_PATH_SEGMENT, "query": MAX_QUERY_VALUE}
-
-
 def _bound_parameters(operation: dict[str, Any]) -> None:
-    """State on every string parameter the length ``api.limits`` enforces (a route's own,
-    shorter bound stays)."""
+    """State on every string parameter the length ``api.limits.check_url`` enforces (a
+    route's own, shorter bound stays)."""
     for parameter in operation.get("parameters", []):
-        bound = _PARAMETER_LENGTH.get(parameter.get("in", ""))
+        where = parameter.get("in")
+        bound = (MAX_PATH_SEGMENT if where == "path"
+                 else query_value_limit(parameter["name"]) if where == "query" else None)
         schema = parameter.get("schema", {})
+        if "anyOf" in schema and "pattern" in schema:  # an optional string's own grammar
+            pattern = schema.pop("pattern")
+            for option in schema["anyOf"]:
+                if option.get("type") == "string":
+                    option["pattern"] = pattern
         for option in schema.get("anyOf", [schema]):
             if bound is not None and option.get("type") == "string" and "enum" not in option:
                 option["maxLength"] = min(option.get("maxLength", bound), bound)

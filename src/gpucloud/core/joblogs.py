@@ -25,6 +25,9 @@ from gpucloud.core.jobs import MAX_JOB_NODES
 
 OFFSETS_FIELD = "offsets"
 _POSITION = re.compile(r"([0-9]{1,18}):([0-9]{1,18}):([0-9]{1,18})")
+#: The whole ``offsets`` value's grammar, as the API documents it (``parse_offsets``
+#: checks it item by item, naming the item that is wrong).
+OFFSETS_PATTERN = r"^([0-9]{1,18}:[0-9]{1,18}:[0-9]{1,18}(,[0-9]{1,18}:[0-9]{1,18}:[0-9]{1,18})*)?$"
 
 
 class LogPosition(NamedTuple):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request, Response
 
 from gpucloud.api.deps import Caller, Ctx
-from gpucloud.core.joblogs import parse_offsets
+from gpucloud.core.joblogs import OFFSETS_PATTERN, parse_offsets
 from gpucloud.core.jobs import JobCreateRequest, JobEventOut, JobLogsOut, JobOut, JobWhyOut
 from gpucloud.services import job_history, jobs
 
@@ -45,7 +45,8 @@ def job_why(ref: str, ctx: Ctx, caller: Caller) -> JobWhyOut:
 def job_logs(
     ref: str, ctx: Ctx, caller: Caller,
     offsets: str | None = Query(
-        default=None, description="Follow: RANK:ATTEMPT:OFFSET,... from the last answer's "
+        default=None, json_schema_extra={"pattern": OFFSETS_PATTERN},
+        description="Follow: RANK:ATTEMPT:OFFSET,... from the last answer's "
         "`offsets` (empty: from the start); whole lines only while a member runs"),
     tail: int | None = Query(default=None, ge=0,
                              description="The last N lines of each member starting afresh"),
