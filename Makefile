@@ -7,7 +7,7 @@ RUN_PACKAGES := runc busybox-static iproute2 iptables fuse3
 TEST_PACKAGES := $(RUN_PACKAGES) postgresql docker-registry umoci skopeo libfuse3-dev criu \
 	stargz-snapshotter containerd \
 	openssh-client openssh-server openssh-sftp-server gcc libc6-dev \
-	chromium chromium-driver
+	chromium chromium-driver faketime
 
 # Two test processes, each whole test file on one of them (its module fixtures, a cluster
 # or a replica set, start once); most of the suite waits on runc, agents and databases.

@@ -143,7 +143,8 @@ class Agent:
         self.usage = UsageReporter(
             self.conn, UsageSpool(config.state_dir / "usage"),
             ObservedSampler(self.metrics, gpu_usage(self.devices.hardware.provider),
-                            disk_interval=config.disk_check_interval_seconds),
+                            disk_interval=config.disk_check_interval_seconds,
+                            clock=self.conn.server_clock.now),  # not the node's clock
             self._usage_targets, config.usage_interval_seconds, self.stop_event,
             self._container_ids)
         self.revision: int | None = None

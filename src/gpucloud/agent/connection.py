@@ -24,6 +24,7 @@ import httpx
 
 from gpucloud.agent.backoff import Backoff, stop_wait
 from gpucloud.agent.identity import Identity, IdentityFile
+from gpucloud.agent.server_time import ServerClock, served_at
 from gpucloud.client.sdk import AgentClient, ApiError
 from gpucloud.core.errors import (
     Conflict,
@@ -65,7 +66,8 @@ class Connection:
     def __init__(self, server: str, registration: NodeRegisterRequest, identity: IdentityFile,
                  stop: threading.Event, transport: httpx.BaseTransport | None = None,
                  on_registered: Callable[[NodeRegisterResponse], None] | None = None,
-                 sleep: Callable[[threading.Event, float], bool] = stop_wait) -> None:
+                 sleep: Callable[[threading.Event, float], bool] = stop_wait,
+                 server_clock: ServerClock | None = None) -> None:
         self.server = server.rstrip("/")
         self._registration = registration
         #: Called with every registration response (the access server takes the gateway
@@ -81,6 +83,8 @@ class Connection:
         self._lock = threading.Lock()
         self.node_id: str | None = None
         self.lease_ttl_seconds = 10.0
+        #: The server's time, anchored by every lease answer (what usage is stamped with).
+        self.server_clock = server_clock if server_clock is not None else ServerClock()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -177,7 +181,7 @@ class Connection:
     def _resume(self, saved: Identity) -> None:
         client = self._bootstrap.with_token(saved.node_token)
         try:
-            lease = client.lease(None, timeout=self.lease_timeout)
+            lease = self._lease(client, None)
         except Unauthorized as refused:
             client.close()
             raise AgentFailure(
@@ -194,8 +198,7 @@ class Connection:
         """Renew the current grant; take a new one when ours is stale; re-register on 401.
         ``health`` rides along (gpu/health: the GPUs' health, a node-level fault)."""
         try:
-            self._set_token(self.client.lease(self.fencing_token, health,
-                                              timeout=self.lease_timeout))
+            self._set_token(self._lease(self.client, self.fencing_token, health))
         except StaleFencingToken:
             self.reacquire()
         except Unauthorized:
@@ -203,7 +206,15 @@ class Connection:
 
     def reacquire(self) -> None:
         """A new grant (fencing token + 1): what an agent does after it learns it is stale."""
-        self._set_token(self.client.lease(None, timeout=self.lease_timeout))
+        self._set_token(self._lease(self.client, None))
+
+    def _lease(self, client: AgentClient, fencing_token: int | None,
+               health: dict[str, Any] | None = None) -> LeaseResponse:
+        """One lease request; its answer anchors ``server_clock``."""
+        sent = self.server_clock.monotonic()
+        lease = client.lease(fencing_token, health, timeout=self.lease_timeout)
+        self.server_clock.observe(served_at(lease), sent, self.server_clock.monotonic())
+        return lease
 
     # -- writes --------------------------------------------------------------------------
 

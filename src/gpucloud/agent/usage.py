@@ -12,7 +12,10 @@ Every ``interval`` seconds the reporter samples each running container of this a
   out; None for a pod on the host's network, whose bytes are not its own);
 * bytes used by its volume disk, measured every ``disk_interval`` seconds.
 
-Counters are cumulative since the container started. Each sample goes into the spool
+Counters are cumulative since the container started. A sample's time is the server's as
+the agent reckons it (the agent passes ``Connection.server_clock``: the last lease answer
+carried forward on the monotonic clock, agent/server_time.py), not the node's wall clock,
+which may be stepped or wrong. Each sample goes into the spool
 (``agent/usage_spool``) before it is sent, in batches carrying the fencing token
 (a stale token is refreshed and the batch sent again; an unreachable server is tried
 again next round while sampling goes on; a busy server's 503 or 429 is honoured: nothing
@@ -182,7 +185,8 @@ class Target:
 
 
 class PodSampler:
-    """Reads one sample of a target; remembers peaks and disk readings between calls."""
+    """Reads one sample of a target; remembers peaks and disk readings between calls.
+    ``clock``: the samples' time (the agent's is the server's, ``ServerClock.now``)."""
 
     def __init__(self, gpus: GpuUsage, disk_interval: float = 30.0,
                  proc: Path = Path("/proc"),
