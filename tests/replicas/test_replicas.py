@@ -96,6 +96,33 @@ def test_every_route_answers_on_any_replica(cluster: Cluster) -> None:
         pods = cluster.on(replica, "GET", "/v1/pods")
         assert pods.status_code == 200 and len(pods.json()) >= PODS
         assert cluster.on(replica, "GET", "/v1/nodes").status_code == 200
+    # Every documented read that takes no path parameter: the same answer on each replica.
+    live = cluster.live()
+    document = cluster.on(live[0], "GET", "/openapi.json").json()
+    reads = sorted(path for path, item in document["paths"].items()
+                   if "get" in item and "{" not in path and "/agent/" not in path
+                   and "/_worker/" not in path)
+    assert len(reads) >= 20, reads
+    for path in reads:
+        codes = {replica.url: cluster.on(replica, "GET", path).status_code for replica in live}
+        assert len(set(codes.values())) == 1 and max(codes.values()) < 500, (path, codes)
+
+
+def test_an_object_made_on_one_replica_is_read_changed_and_deleted_on_others(
+        cluster: Cluster) -> None:
+    live = cluster.live()  # two or three: an earlier test kills the leader
+    first, second, third = live[0], live[1 % len(live)], live[2 % len(live)]
+    made = cluster.on(first, "POST", "/v1/keys", json={"name": "spread"})
+    assert made.status_code == 201, made.text
+    key_id = made.json()["id"]
+    assert key_id in [k["id"] for k in cluster.on(second, "GET", "/v1/keys").json()]
+    template = cluster.on(second, "POST", "/v1/templates", json={
+        "name": "spread", "image": "busybox:1"})
+    assert template.status_code == 201, template.text
+    assert cluster.on(third, "GET", "/v1/templates/spread").status_code == 200
+    assert cluster.on(first, "DELETE", "/v1/templates/spread").status_code == 204
+    assert cluster.on(second, "GET", "/v1/templates/spread").status_code == 404
+    assert cluster.on(third, "POST", f"/v1/keys/{key_id}/revoke").status_code == 200
 
 
 def test_a_revoked_key_is_refused_on_every_replica_within_the_cache_ttl(
