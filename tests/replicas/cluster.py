@@ -21,6 +21,7 @@ import psycopg
 
 from tests.conftest import ADMIN_KEY
 from tests.fixtures.postgres import _as_postgres, _bin, free_port, postgres_server
+from tests.integration.conftest import h100_gpus
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -75,6 +76,17 @@ class Cluster:
         headers = kwargs.pop("headers", {"Authorization": f"Bearer {key}"})
         return httpx.request(method, replica.url + path, headers=headers, timeout=30,
                              **kwargs)
+
+    def register_node(self, replica: Replica, name: str) -> dict[str, Any]:
+        """A node of 8 H100s registered through ``replica`` with a fresh join token: its
+        registration answer (node token, fencing token)."""
+        token = self.on(replica, "POST", "/v1/nodes/join-tokens").json()["token"]
+        response = self.on(replica, "POST", "/v1/agent/register", json={
+            "join_token": token, "name": name, "cpu_cores": 64,
+            "memory_bytes": 512 * 1024**3, "gpus": h100_gpus()})
+        assert response.status_code == 201, response.text
+        body: dict[str, Any] = response.json()
+        return body
 
     def leader(self) -> tuple[Replica, int]:
         """The replica whose process holds the controllers' lease, and its epoch."""

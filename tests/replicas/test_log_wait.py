@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import h100_gpus
 from tests.replicas.cluster import Cluster, Replica, replica_cluster, wait_for
 
 #: Far past the wait: only a wake-up can answer the read before its deadline.
@@ -33,13 +32,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def _node(cluster: Cluster, replica: Replica) -> dict[str, Any]:
-    token = cluster.on(replica, "POST", "/v1/nodes/join-tokens").json()["token"]
-    response = cluster.on(replica, "POST", "/v1/agent/register", json={
-        "join_token": token, "name": "logs-node", "cpu_cores": 64,
-        "memory_bytes": 512 * 1024**3, "gpus": h100_gpus()})
-    assert response.status_code == 201, response.text
-    body: dict[str, Any] = response.json()
-    return body
+    return cluster.register_node(replica, "logs-node")
 
 
 def _as_agent(cluster: Cluster, replica: Replica, node: dict[str, Any], path: str,

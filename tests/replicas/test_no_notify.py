@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from gpucloud.api.routers.agent import POLL_SECONDS
-from tests.integration.conftest import h100_gpus
 from tests.replicas.cluster import Cluster, Replica, replica_cluster, wait_for
 
 LEADER_TTL = 2.0
@@ -52,10 +51,7 @@ def test_no_replica_listens(quiet: Cluster) -> None:
 def test_a_bind_on_the_leader_reaches_a_poll_on_the_other_replica(quiet: Cluster) -> None:
     leader, _ = quiet.leader()
     other = next(r for r in quiet.live() if r is not leader)
-    token = quiet.on(other, "POST", "/v1/nodes/join-tokens").json()["token"]
-    node = quiet.on(other, "POST", "/v1/agent/register", json={
-        "join_token": token, "name": "gpu-0", "cpu_cores": 64,
-        "memory_bytes": 512 * 1024**3, "gpus": h100_gpus()}).json()
+    node = quiet.register_node(other, "gpu-0")
     headers = {"Authorization": f"Bearer {node['node_token']}"}
     first = httpx.get(f"{other.url}/v1/agent/assignments", headers=headers, timeout=30).json()
     answers: list[tuple[float, dict[str, Any]]] = []

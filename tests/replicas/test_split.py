@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import h100_gpus
 from tests.replicas.cluster import Cluster, replica_cluster, wait_for
 
 LEADER_TTL = 2.0
@@ -38,10 +37,7 @@ def test_the_api_replica_never_leads_and_its_agents_get_their_binds(split: Clust
     wait_for(lambda: _holders(split), 60, "a leader")
     leader, _ = split.leader()
     assert leader is controllers
-    token = split.on(api, "POST", "/v1/nodes/join-tokens").json()["token"]
-    node = split.on(api, "POST", "/v1/agent/register", json={
-        "join_token": token, "name": "gpu-0", "cpu_cores": 64,
-        "memory_bytes": 512 * 1024**3, "gpus": h100_gpus()}).json()
+    node = split.register_node(api, "gpu-0")
     headers = {"Authorization": f"Bearer {node['node_token']}"}
     first = httpx.get(f"{api.url}/v1/agent/assignments", headers=headers, timeout=30).json()
     answers: list[dict[str, Any]] = []
