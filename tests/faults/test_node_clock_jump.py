@@ -6,15 +6,11 @@ usage is lost: every sample the agent takes is accepted (sequence numbers withou
 stamped on the server's timeline, so sample times rise with the sequence and stay close
 to when the server received them, however wrong the node's clock is.
 
-The agent runs under libfaketime (Debian's ``faketime``) with a relative offset read from
-a file the test rewrites (``FAKETIME_TIMESTAMP_FILE``): ``+0``, then ``+3600`` (an hour
-ahead), ``-3600`` (two hours back: an hour behind), ``+0`` (in step again).
-``FAKETIME_DONT_FAKE_MONOTONIC=1``: a real step of the clock (``settimeofday``) leaves
-CLOCK_MONOTONIC alone; ``FAKETIME_CACHE_DURATION=1``: the file is read again every second,
-so each step lands while the agent runs. Everything the agent starts (runc, the pods'
-supervisors) inherits it, as a step of the node's clock reaches every process there. A
-shim preloaded ahead of it (``monotonic_sleep.c``) works around libfaketime 0.9.10's
-broken monotonic sleeps.
+The agent runs under libfaketime (tests/fixtures/faketime.py) with a relative offset read
+from a file the test rewrites: ``+0``, then ``+3600`` (an hour ahead), ``-3600`` (two hours
+back: an hour behind), ``+0`` (in step again), each step landing while the agent runs.
+Everything the agent starts (runc, the pods' supervisors) inherits it, as a step of the
+node's clock reaches every process there.
 
 Before agent/server_time.py the agent stamped samples with its wall clock: an hour ahead,
 the server refused every sample (422, "more than 120s ahead of the server's clock") and
@@ -26,11 +22,6 @@ stepped time (it warns when its clock is off the server's, agent/server_time.py)
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -38,14 +29,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import AgentProcess, wait_for
-from tests.faults.cluster import COUNTER, IMAGE, FaultCloud, Postgres, pid_alive, running
+from tests.faults.cluster import COUNTER, IMAGE, FaultCloud, Postgres, running
+from tests.fixtures.faketime import FakeClock, fake_clock
 
-#: Debian's libfaketime (package faketime), in the machine's multiarch directory.
-LIBFAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))),
-                   Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"))
-SHIM_SOURCE = Path(__file__).with_name("monotonic_sleep.c")
-#: Where libfaketime keeps the semaphore and shared memory of each process it starts in.
-SHM = Path("/dev/shm")
 #: Seconds between usage samples: many samples in each phase, in little time.
 INTERVAL = 0.5
 #: The node's clock, step by step: an hour ahead, an hour behind, in step again.
@@ -54,58 +40,11 @@ STEPS = ("+3600", "-3600", "+0")
 PER_STEP = 4
 
 
-class NodeClock:
-    """libfaketime's offset file and the command prefix that runs a program on it."""
-
-    def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.file = directory / "faketimerc"
-        self.set("+0")
-        shim = directory / "monotonic_sleep.so"
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(SHIM_SOURCE)],
-                       check=True, capture_output=True)
-        self.env = {"LD_PRELOAD": f"{shim} {LIBFAKETIME}",
-                    "FAKETIME_TIMESTAMP_FILE": str(self.file),
-                    "FAKETIME_CACHE_DURATION": "1",
-                    "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
-
-    @property
-    def prefix(self) -> list[str]:
-        return ["env", *(f"{name}={value}" for name, value in self.env.items())]
-
-    def set(self, offset: str) -> None:
-        """Step the clock (whole: libfaketime never reads half a file)."""
-        partial = self.file.with_suffix(".new")
-        partial.write_text(offset + "\n")
-        os.replace(partial, self.file)
-
-
 @pytest.fixture
-def clock(tmp_path: Path) -> Iterator[NodeClock]:
-    """The node's clock, checked on a probe: Python under it sees a step of the wall
-    clock, not of the monotonic clock, and can still sleep. Afterwards the semaphore and
-    shared memory libfaketime made for a process that did not exit (the agent is killed)
-    are removed."""
-    if not LIBFAKETIME.exists():
-        pytest.skip(f"needs libfaketime ({LIBFAKETIME}: Debian package faketime)")
-    if shutil.which("gcc") is None:
-        pytest.skip("needs gcc to build the shim preloaded with libfaketime")
-    clock = NodeClock(tmp_path / "clock")
-    clock.set("+3600")
-    probe = subprocess.run(
-        [*clock.prefix, sys.executable, "-c",
-         "import time; time.sleep(0.01); print(time.time(), time.monotonic())"],
-        check=True, capture_output=True, text=True, timeout=30)
-    wall, monotonic = map(float, probe.stdout.split())
-    clock.set("+0")
-    assert abs(wall - time.time() - 3600) < 60, probe.stdout
-    assert abs(monotonic - time.monotonic()) < 60, probe.stdout
-    before = set(SHM.glob("*faketime_*"))
-    yield clock
-    for path in set(SHM.glob("*faketime_*")) - before:
-        pid = path.name.rsplit("_", 1)[-1]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            path.unlink(missing_ok=True)
+def clock(tmp_path: Path) -> Iterator[FakeClock]:
+    """The node's clock (tests/fixtures/faketime.py)."""
+    with fake_clock(tmp_path / "clock") as node_clock:
+        yield node_clock
 
 
 def _agent_saw(agent: AgentProcess, since: int, seconds: float) -> bool:
@@ -136,7 +75,7 @@ def _log_lines(cloud: FaultCloud) -> int:
     return cloud.client.pod_logs("ticker").text.count("\n")
 
 
-def _step(cloud: FaultCloud, agent: AgentProcess, clock: NodeClock, offset: str,
+def _step(cloud: FaultCloud, agent: AgentProcess, clock: FakeClock, offset: str,
           accepted: Callable[[], int]) -> None:
     """Step the node's clock to ``offset``; once the agent shows it, ``PER_STEP`` more
     samples accepted (``accepted``: the highest accepted seq) and more log lines."""
@@ -157,7 +96,7 @@ def _step(cloud: FaultCloud, agent: AgentProcess, clock: NodeClock, offset: str,
 
 
 def test_a_node_clock_step_loses_no_usage_and_moves_nothing(
-    clock: NodeClock, cloud: FaultCloud, pg: Postgres, database_url: str
+    clock: FakeClock, cloud: FaultCloud, pg: Postgres, database_url: str
 ) -> None:
     database = database_url.rsplit("/", 1)[1]
     agent = cloud.node_agent("gpu-a", prefix=clock.prefix, start=False)

@@ -9,9 +9,15 @@ disruption brake that long; a node that really stopped is still found within a T
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
 from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from gpucloud.controllers.loops import (
@@ -20,6 +26,7 @@ from gpucloud.controllers.loops import (
     NodeLeaseController,
 )
 from gpucloud.core.clock import ManualClock
+from gpucloud.db.clock import DatabaseClock, Reading
 from gpucloud.services.context import ServiceContext
 from tests.integration.conftest import agent_headers
 
@@ -119,3 +126,37 @@ def test_small_steps_of_the_clock_are_no_jump(
     _pass(clock, mono, ttl - 1)
     clock.advance(ttl / 4)  # an NTP step well under half a TTL: no rebase
     assert controller.tick() == ["gone"]
+
+
+def test_corrections_of_the_database_clock_are_no_jump(
+        api: TestClient, app_ctx: ServiceContext, register_node: Register,
+        clock: ManualClock, caplog: pytest.LogCaptureFixture) -> None:
+    """A replica's clock on PostgreSQL is the database's (db/clock.py), carried by the
+    monotonic clock between readings, each of which corrects it a little (here 0.2 s
+    either way, each time: far more than a real round trip's). The lease controller
+    watches it for jumps as it does the system clock, sees none, rebases nothing, and
+    finds a dead node within its TTL, whatever the replica's wall clock says."""
+    ttl = app_ctx.settings.lease_ttl_seconds
+    alive = register_node("alive")
+    register_node("gone")
+    mono = Monotonic()
+    errors = itertools.cycle((0.2, -0.2))
+
+    def read() -> Reading:
+        return clock.now() + timedelta(seconds=next(errors)), mono(), mono()
+
+    database = DatabaseClock(read, monotonic=mono,
+                             wall=lambda: clock.now() - timedelta(hours=1))
+    ctx = replace(app_ctx, clock=database)
+    assert NodeLeaseController(ctx)._monotonic is time.monotonic  # in real time: watched
+    controller = NodeLeaseController(ctx, startup_grace_seconds=0, monotonic=mono)
+    caplog.set_level(logging.WARNING, "gpucloud.controllers.loops")
+    assert database.refresh() and controller.tick() == []
+    lost: dict[str, float] = {}
+    for second in range(1, round(2 * ttl) + 1):
+        _pass(clock, mono, 1)
+        assert database.refresh()
+        assert _renew(api, alive)
+        lost |= dict.fromkeys(controller.tick(), second)
+    assert lost == {"gone": ttl}
+    assert "jumped" not in caplog.text

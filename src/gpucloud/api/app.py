@@ -35,8 +35,9 @@ from gpucloud.compat.runpod import serverless as runpod_serverless
 from gpucloud.console import routes as console_routes
 from gpucloud.controllers.loops import ControllerRunner
 from gpucloud.core import redact
-from gpucloud.core.clock import Clock, SystemClock
+from gpucloud.core.clock import Clock
 from gpucloud.core.settings import Settings
+from gpucloud.db.clock import DatabaseClock, server_clock
 from gpucloud.db.migrate import upgrade
 from gpucloud.db.session import Database
 from gpucloud.services import priorities
@@ -50,11 +51,13 @@ GIL_SWITCH_SECONDS = 0.001
 
 def prepare(settings: Settings, clock: Clock | None = None) -> tuple[ServiceContext, str | None]:
     """Open the database, migrate it, create the admin project; returns a new admin key
-    when one was just written to ``admin.key`` (to print once)."""
+    when one was just written to ``admin.key`` (to print once). Without ``clock`` the
+    service clock is the database's on PostgreSQL (db/clock.py: read here, before anything
+    is written; the lifespan keeps it read), the system's on SQLite."""
     settings.home.mkdir(parents=True, exist_ok=True)
     db = Database(settings.database_url)
     upgrade(db.engine)
-    ctx = ServiceContext(db=db, clock=clock or SystemClock(), settings=settings,
+    ctx = ServiceContext(db=db, clock=clock or server_clock(db), settings=settings,
                          cache=TtlCache(settings.auth_cache_ttl_seconds))
     priorities.ensure_defaults(ctx)
     return ctx, bootstrap_admin(ctx)
@@ -73,6 +76,10 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
             print(f"gpucloud: admin API key (shown once): {new_key}", flush=True)
             print(f"gpucloud: also saved to {settings.home / 'admin.key'}", flush=True)
         app.state.ctx = ctx
+        database_clock = ctx.clock if clock is None and isinstance(
+            ctx.clock, DatabaseClock) else None
+        if database_clock:
+            database_clock.start()  # read again every 10 s
         ssh_gateway = await gateway.start_for_app(ctx, app.state)
         # Start-up objects (routes, schemas, the ORM) live as long as the process: keep
         # them out of the collector's full passes, which otherwise stall requests.
@@ -99,6 +106,8 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None,
             if bridge:
                 bridge.stop()
             await gateway.stop(ssh_gateway)
+            if database_clock:
+                database_clock.stop()
             usage_admission.close(app)  # its niced ingest worker, if one started
             lease_capacity.close(ctx.db)  # the lease renewals' own pool
             ctx.db.dispose()

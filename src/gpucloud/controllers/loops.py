@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.exc import OperationalError
 
-from gpucloud.core.clock import SystemClock
+from gpucloud.core.clock import real_time
 from gpucloud.core.trace import mark
 from gpucloud.scheduler import Scheduler
 from gpucloud.services import (
@@ -220,13 +220,17 @@ class NodeLeaseController:
       ``DISRUPTION_MIN_NODES`` Ready nodes look lost at once, the likelier cause is the
       server side (a stall, a network event), not that many machines: it marks at most one
       node per ``SLOW_EVICTION_SECONDS`` instead of rescheduling the fleet.
-    - Clock jumps: between two ticks the wall clock should move as the monotonic one does.
-      When it moves more than half a TTL more (set forward, or a suspended VM) or less
-      (set back), every lease live before the jump gets one TTL from the new time
+    - Clock jumps: between two ticks the service clock should move as the monotonic one
+      does. When it moves more than half a TTL more (set forward, or a suspended VM) or
+      less (set back), every lease live before the jump gets one TTL from the new time
       (``nodes.rebase_leases``) and the brakes' deadlines move with the clock: forwards no
       healthy node is declared Lost, backwards no lease nor brake lasts until the old
-      time comes round again. ``monotonic`` defaults to ``time.monotonic`` on the system
-      clock and to none (no detection) on a clock a test sets by hand.
+      time comes round again. ``monotonic`` defaults to ``time.monotonic`` on a clock in
+      real time and to none (no detection) on a clock a test sets by hand. On PostgreSQL
+      the service clock is the database's (db/clock.py): carried by the monotonic clock
+      between its readings, each reading corrects it by milliseconds, far below half a
+      TTL: only a step of the database server's own clock shows, or a suspension of this
+      host (the monotonic clock stops with it), each at the next reading.
     """
 
     name = "node-leases"
@@ -234,7 +238,7 @@ class NodeLeaseController:
     def __init__(self, ctx: ServiceContext, startup_grace_seconds: float | None = None,
                  monotonic: Callable[[], float] | None = None) -> None:
         self.ctx = ctx
-        self._monotonic = monotonic or (time.monotonic if isinstance(ctx.clock, SystemClock)
+        self._monotonic = monotonic or (time.monotonic if real_time(ctx.clock)
                                         else None)
         self._last_look: tuple[datetime, float] | None = None
         self._lock = threading.Lock()  # on_new_epoch comes from the leadership thread

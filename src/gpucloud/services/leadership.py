@@ -40,7 +40,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from gpucloud.core.clock import SystemClock
+from gpucloud.core.clock import real_time
 from gpucloud.db.models import ControllerLeaseModel, UTCDateTime
 from gpucloud.services.context import ServiceContext
 
@@ -59,7 +59,7 @@ def new_holder() -> str:
 
 def uses_database_clock(ctx: ServiceContext) -> bool:
     """PostgreSQL's ``now()`` unless a test drives the service clock (or on SQLite)."""
-    return not ctx.db.is_sqlite and isinstance(ctx.clock, SystemClock)
+    return not ctx.db.is_sqlite and real_time(ctx.clock)
 
 
 def _now(ctx: ServiceContext, db_clock: bool) -> object:

@@ -15,34 +15,21 @@ import pytest
 
 from gpucloud.agent.connection import Connection
 from gpucloud.agent.identity import IdentityFile
-from gpucloud.agent.server_time import DRIFT, ServerClock, served_at
+from gpucloud.agent.server_time import ServerClock, served_at
+from gpucloud.core.clock import DRIFT
 from gpucloud.core.models import LeaseResponse, NodeRegisterRequest
+from tests.fixtures.clocks import SteppedClocks
 
 #: The server's time at the first answer; the node's wall clock starts in step with it.
 SERVER = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 HOUR = 3600.0
 
 
-class Clocks:
-    """The node's monotonic and wall clocks: both run on ``tick``; ``step`` moves the
-    wall clock alone, as ``settimeofday`` (an NTP step) does."""
+class Clocks(SteppedClocks):
+    """The node's clocks, its wall clock in step with the server's at first."""
 
     def __init__(self) -> None:
-        self.mono = 100.0
-        self.wall_now = SERVER
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def wall(self) -> datetime:
-        return self.wall_now
-
-    def tick(self, seconds: float) -> None:
-        self.mono += seconds
-        self.wall_now += timedelta(seconds=seconds)
-
-    def step(self, seconds: float) -> None:
-        self.wall_now += timedelta(seconds=seconds)
+        super().__init__(SERVER)
 
     def server_clock(self) -> ServerClock:
         return ServerClock(self.monotonic, self.wall)
