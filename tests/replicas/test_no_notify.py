@@ -88,7 +88,9 @@ def test_a_revoked_key_is_refused_on_the_other_replica_within_the_cache_ttl(
     wait_for(partial(_refused, quiet, second, key), AUTH_CACHE_TTL + 2,
              "the revoked key refused on the other replica")
     print(f"revocation seen without NOTIFY after {time.monotonic() - started:.2f} s")
-    assert time.monotonic() - started <= AUTH_CACHE_TTL + 0.5
+    # Without the hint the cache's TTL is the bound, plus a request's time on a loaded
+    # machine (one run at load 20 took 2.79 s).
+    assert time.monotonic() - started <= AUTH_CACHE_TTL + 1.0
 
 
 def _refused(cluster: Cluster, replica: Replica, key: str) -> bool:
