@@ -111,7 +111,7 @@ def database_unavailable(error: SQLAlchemyError) -> bool:
     OperationalError and InterfaceError are exactly those."""
     if isinstance(error, (OperationalError, InterfaceError, PoolTimeout)):
         return True
-    if getattr(getattr(error, "orig", None), "sqlstate", None) == _READ_ONLY:
+    if _sqlstate(error) == _READ_ONLY:
         return True  # a standby, or a primary being demoted: the failover is under way
     return isinstance(error, DBAPIError) and error.connection_invalidated
 
@@ -122,12 +122,18 @@ def unavailable_detail(error: SQLAlchemyError) -> str:
     operator reading the answer should not go looking for one."""
     if isinstance(error, PoolTimeout):
         return "the server is busy (no database connection free); retry shortly"
-    state = getattr(getattr(error, "orig", None), "sqlstate", None)
+    state = _sqlstate(error)
     if state == _STATEMENT_CUT:
         return "the database is busy (the statement timed out); retry shortly"
     if state == _READ_ONLY:
         return "the database is read-only (a failover is under way?); retry shortly"
     return "the database is unavailable; retry shortly"
+
+
+def _sqlstate(error: SQLAlchemyError) -> str | None:
+    """The PostgreSQL SQLSTATE behind ``error`` (psycopg's), if it carries one."""
+    state = getattr(getattr(error, "orig", None), "sqlstate", None)
+    return state if isinstance(state, str) else None
 
 
 async def _database_error(_: Request, error: SQLAlchemyError) -> JSONResponse:

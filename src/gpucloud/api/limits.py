@@ -45,10 +45,6 @@ MAX_PATH_SEGMENT = 256
 MAX_QUERY_VALUE = 1024
 LONG_QUERY_VALUES = {"offsets": 32 * 1024}
 
-
-def query_value_limit(name: str) -> int:
-    """The most characters query parameter ``name`` may hold."""
-    return LONG_QUERY_VALUES.get(name, MAX_QUERY_VALUE)
 AGENT_BODY_LIMIT = 16 * 1024 * 1024
 AGENT_PREFIX = "/v1/agent/"
 INT64_MIN = -(2**63)
@@ -59,6 +55,11 @@ _NUL_ALLOWED = re.compile(r"^/v1/agent/pods/[^/]+/logs$")
 #: (usage batches: thousands of values each; api/usage_admission.py, core/usage.py).
 CHECKED_BY_ROUTE = frozenset({"/v1/agent/usage"})
 _JSON_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
+
+
+def query_value_limit(name: str) -> int:
+    """The most characters query parameter ``name`` may hold."""
+    return LONG_QUERY_VALUES.get(name, MAX_QUERY_VALUE)
 
 
 def body_limit(path: str) -> int:

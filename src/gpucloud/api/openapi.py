@@ -109,6 +109,19 @@ _NUL_ALLOWED = {"AgentLogChunkRequest"}
 NO_NUL = "^[^\\x00]*$"
 
 
+#: A character of a URL at its worst: 4 bytes of UTF-8, each percent-encoded.
+_WORST_BYTES_PER_CHARACTER = 12
+#: The request line uvicorn's parser reads (httptools keeps a URL's parts in 16 bits).
+REQUEST_LINE_BYTES = 65_535
+#: What the HTTP server itself answers to a longer one, before the app sees it: documented
+#: where a parameter's bound allows it (a job's log offsets, with characters outside their
+#: grammar).
+_REQUEST_LINE_TOO_LONG = {
+    "description": "The request line is longer than the HTTP server reads (64 KiB): a "
+                   "parameter of many non-ASCII characters, percent-encoded",
+    "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+
 def _bound_parameters(operation: dict[str, Any]) -> None:
     """State on every string parameter the length ``api.limits.check_url`` enforces (a
     route's own, shorter bound stays)."""
@@ -127,19 +140,6 @@ def _bound_parameters(operation: dict[str, Any]) -> None:
                 option["maxLength"] = min(option.get("maxLength", bound), bound)
                 if option["maxLength"] * _WORST_BYTES_PER_CHARACTER > REQUEST_LINE_BYTES:
                     operation["responses"]["400"] = _REQUEST_LINE_TOO_LONG
-
-
-#: A character of a URL at its worst: 4 bytes of UTF-8, each percent-encoded.
-_WORST_BYTES_PER_CHARACTER = 12
-#: The request line uvicorn's parser reads (httptools keeps a URL's parts in 16 bits).
-REQUEST_LINE_BYTES = 65_535
-#: What the HTTP server itself answers to a longer one, before the app sees it: documented
-#: where a parameter's bound allows it (a job's log offsets, with characters outside their
-#: grammar).
-_REQUEST_LINE_TOO_LONG = {
-    "description": "The request line is longer than the HTTP server reads (64 KiB): a "
-                   "parameter of many non-ASCII characters, percent-encoded",
-    "content": {"text/plain": {"schema": {"type": "string"}}}}
 
 
 def _bound_values(node: Any, nul_allowed: bool) -> None:

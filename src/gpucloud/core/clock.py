@@ -45,7 +45,7 @@ def utc_now() -> datetime:
 
 class SystemClock:
     def now(self) -> datetime:
-        return datetime.now(UTC)
+        return utc_now()
 
 
 class ManualClock:
