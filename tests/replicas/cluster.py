@@ -80,9 +80,10 @@ class Cluster:
     def register_node(self, replica: Replica, name: str) -> dict[str, Any]:
         """A node of 8 H100s registered through ``replica`` with a fresh join token: its
         registration answer (node token, fencing token)."""
-        token = self.on(replica, "POST", "/v1/nodes/join-tokens").json()["token"]
+        join = self.on(replica, "POST", "/v1/nodes/join-tokens")
+        assert join.status_code == 201, join.text
         response = self.on(replica, "POST", "/v1/agent/register", json={
-            "join_token": token, "name": name, "cpu_cores": 64,
+            "join_token": join.json()["token"], "name": name, "cpu_cores": 64,
             "memory_bytes": 512 * 1024**3, "gpus": h100_gpus()})
         assert response.status_code == 201, response.text
         body: dict[str, Any] = response.json()

@@ -33,7 +33,6 @@ import httpx
 import pytest
 
 from tests.fixtures.faketime import fake_clock
-from tests.integration.conftest import h100_gpus
 from tests.replicas.cluster import Cluster, Replica, replica_cluster, wait_for
 
 LEASE_TTL = 3.0
@@ -62,13 +61,7 @@ class Node:
 
 
 def _register(cluster: Cluster, replica: Replica, name: str) -> Node:
-    join = cluster.on(replica, "POST", "/v1/nodes/join-tokens")
-    assert join.status_code == 201, join.text
-    response = cluster.on(replica, "POST", "/v1/agent/register", json={
-        "join_token": join.json()["token"], "name": name, "cpu_cores": 64,
-        "memory_bytes": 512 * 1024**3, "gpus": h100_gpus()})
-    assert response.status_code == 201, response.text
-    body = response.json()
+    body = cluster.register_node(replica, name)
     return Node(replica, name, body["node_token"], body["fencing_token"], time.monotonic())
 
 
